@@ -1,0 +1,3 @@
+"""clusterdns: cluster DNS and Service proxy rules in one node agent."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,343 @@
+"""Configuration: command-line flags, an optional YAML file with the same keys, defaults.
+
+Precedence: flag > environment (NODE_NAME only) > --config file > default.
+Everything is validated once into a frozen Config; a bad value is a
+ConfigError, which the CLI turns into exit code 2 with a one-line reason.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import yaml
+
+COMMANDS = ("agent", "dns", "proxy", "rules", "trace")
+PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
+POD_MODES = ("disabled", "insecure", "verified")
+CONFIG_KIND = "ClusterDNSConfiguration"
+
+
+class ConfigError(ValueError):
+    """A bad flag or configuration value; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Config:
+    command: str = "agent"
+    # sources
+    manifest: tuple[str, ...] = ()
+    kubeconfig: str = ""
+    demo: bool = False                     # no source given: the embedded demo cluster
+    # DNS
+    listen: tuple[str, ...] = ()           # empty: derived, see listen_addresses()
+    zones: tuple[str, ...] = ("cluster.local", "in-addr.arpa", "ip6.arpa")
+    ttl: int = 5
+    pods: str = "insecure"
+    upstream: tuple[str, ...] = ()         # empty: nameservers of resolv_conf
+    no_upstream: bool = False
+    resolv_conf: str = "/etc/resolv.conf"
+    namespaces: tuple[str, ...] = ()
+    namespace_labels: str = ""
+    endpoint_pod_names: bool = False
+    noendpoints: bool = False
+    ignore_empty_service: bool = False
+    fallthrough: tuple[str, ...] | None = None   # None: off; (): every zone
+    transfer: bool = False
+    autopath: bool = False
+    cache_size: int = 9984
+    cache_max_ttl: int = 30
+    cache_min_ttl: int = 5
+    udp_size: int = 1232
+    # proxier
+    node_name: str = ""
+    node_ips: tuple[str, ...] = ()
+    cluster_cidrs: tuple[str, ...] = ()
+    service_cidrs: tuple[str, ...] = ()
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    nodeport_addresses: tuple[str, ...] = ()
+    localhost_nodeports: bool = True
+    proxy_mode: str = "iptables"
+    apply: bool | None = None              # None: apply unless demo
+    ip_family: str = ""                    # rules: ipv4|ipv6; empty = family of first node IP
+    sync_period: float = 30.0
+    min_sync_period: float = 1.0
+    cleanup: bool = False
+    # agent
+    local_ips: tuple[str, ...] = ()
+    lameduck: float = 5.0
+    metrics_listen: str = "127.0.0.1:9153"
+    health_listen: str = "127.0.0.1:8080"
+    config_file: str = ""
+    loop: str = "auto"
+    log_level: str = "info"
+    # rules / trace
+    mode: str = ""
+    name: str = ""
+    from_pod: str = ""
+    trace_resolv_conf: str = ""
+    json: bool = False
+
+    @property
+    def cluster_domain(self) -> str:
+        return self.zones[0]
+
+    @property
+    def applying(self) -> bool:
+        return (not self.demo) if self.apply is None else self.apply
+
+    def listen_addresses(self) -> list[tuple[str, int]]:
+        """The (host, port) pairs the DNS server binds."""
+        if self.listen:
+            return [parse_hostport(x, 53) for x in self.listen]
+        if self.local_ips:
+            return [(ip, 53) for ip in self.local_ips]
+        if self.demo:
+            return [("127.0.0.1", 5353)]
+        return [("0.0.0.0", 53)]
+
+    @property
+    def family(self) -> int:
+        """4 or 6: the family `rules` prints."""
+        if self.ip_family:
+            return 6 if self.ip_family == "ipv6" else 4
+        if self.node_ips:
+            return ipaddress.ip_address(self.node_ips[0]).version
+        return 4
+
+
+def parse_hostport(text: str, default_port: int) -> tuple[str, int]:
+    """HOST:PORT, [V6]:PORT, HOST, or :PORT (all addresses)."""
+    text = text.strip()
+    host, port = text, str(default_port)
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ConfigError(f"bad address {text!r}: missing ']'")
+        host, rest = text[1:end], text[end + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise ConfigError(f"bad address {text!r}")
+            port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    elif text.count(":") > 1:
+        host = text  # a bare IPv6 address
+    host = host or "0.0.0.0"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise ConfigError(f"bad address {text!r}: {host!r} is not an IP address") from None
+        host = "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"bad address {text!r}: port {port!r} is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"bad address {text!r}: port out of range")
+    return host, number
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    a = p.add_argument
+    a("--config", dest="config_file", metavar="FILE", default=S, help="YAML file with the same keys as the flags")
+    a("--manifest", action="append", metavar="PATH", default=S, help="read state from this file (repeatable)")
+    a("--kubeconfig", metavar="PATH", default=S, help="read state from a cluster (also KUBECONFIG, in-cluster)")
+    a("--listen", action="append", metavar="HOST:PORT", default=S, help="DNS address, UDP and TCP (repeatable)")
+    a("--zone", dest="zones", action="append", metavar="ZONE", default=S,
+      help="zone served authoritatively (repeatable; first is the cluster domain)")
+    a("--ttl", type=int, default=S, help="TTL of cluster records (default 5)")
+    a("--pods", choices=POD_MODES, default=S, help="pod records (default insecure)")
+    a("--upstream", action="append", metavar="HOST[:PORT]", default=S, help="forwarder (repeatable)")
+    a("--no-upstream", action="store_true", default=S, help="answer REFUSED for non-cluster names")
+    a("--resolv-conf", dest="resolv_conf", metavar="FILE", default=S,
+      help="upstreams from this file (agent/dns); the pod's resolv.conf (trace)")
+    a("--namespaces", nargs="+", metavar="NS", default=S, help="serve only these namespaces")
+    a("--namespace-labels", metavar="SELECTOR", default=S, help="serve only namespaces matching")
+    a("--endpoint-pod-names", action="store_true", default=S)
+    a("--noendpoints", action="store_true", default=S)
+    a("--ignore-empty-service", action="store_true", default=S)
+    a("--fallthrough", nargs="*", metavar="ZONE", default=S)
+    a("--transfer", action="store_true", default=S, help="allow AXFR/IXFR over TCP")
+    a("--autopath", action="store_true", default=S)
+    a("--cache-size", type=int, default=S)
+    a("--node-name", default=S)
+    a("--node-ip", dest="node_ips", action="append", metavar="IP", default=S)
+    a("--cluster-cidr", dest="cluster_cidrs", action="append", metavar="CIDR", default=S)
+    a("--service-cidr", dest="service_cidrs", action="append", metavar="CIDR", default=S)
+    a("--masquerade-all", action="store_true", default=S)
+    a("--masquerade-bit", type=int, default=S)
+    a("--nodeport-addresses", action="append", metavar="CIDR", default=S)
+    a("--no-localhost-nodeports", dest="localhost_nodeports", action="store_false", default=S)
+    a("--proxy-mode", choices=PROXY_MODES, default=S)
+    a("--apply", dest="apply", action="store_true", default=S, help="apply rules")
+    a("--dry-run", dest="apply", action="store_false", default=S, help="print rules instead of applying")
+    a("--ip-family", choices=("ipv4", "ipv6"), default=S)
+    a("--sync-period", type=float, default=S)
+    a("--min-sync-period", type=float, default=S)
+    a("--local-ip", dest="local_ips", action="append", metavar="IP", default=S)
+    a("--lameduck", type=float, default=S, metavar="SECONDS")
+    a("--metrics-listen", default=S, metavar="HOST:PORT", help="'none' disables")
+    a("--health-listen", default=S, metavar="HOST:PORT", help="'none' disables")
+    a("--loop", choices=("auto", "asyncio", "uvloop"), default=S)
+    a("--log-level", choices=("debug", "info", "warning", "error"), default=S)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clusterdns", description="Cluster DNS and Service proxy node agent.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    helps = {
+        "agent": "the node agent: DNS, proxier and watch",
+        "dns": "DNS only",
+        "proxy": "proxier only",
+        "rules": "print the rules the proxier would apply, and exit",
+        "trace": "follow one name through DNS and the rules",
+    }
+    for name in COMMANDS:
+        p = sub.add_parser(name, help=helps[name], description=helps[name])
+        _add_common(p)
+        if name == "proxy":
+            p.add_argument("--cleanup", action="store_true", default=argparse.SUPPRESS,
+                           help="remove everything clusterdns installed, and exit")
+        if name == "rules":
+            p.add_argument("--mode", choices=PROXY_MODES[:3], default=argparse.SUPPRESS)
+        if name == "trace":
+            p.add_argument("name", metavar="NAME")
+            p.add_argument("--from-pod", metavar="NS/POD", default=argparse.SUPPRESS)
+            p.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    return parser
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+_TUPLES = {n for n, f in _FIELDS.items() if str(f.type).startswith("tuple")}
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise ConfigError(f"{path}:{mark.line + 1 if mark else '?'}: invalid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of options")
+    data = {k: v for k, v in data.items() if k not in ("apiVersion", "kind")}
+    aliases = {"zone": "zones", "node_ip": "node_ips", "cluster_cidr": "cluster_cidrs",
+               "service_cidr": "service_cidrs", "local_ip": "local_ips"}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        name = aliases.get(name, name)
+        if name not in _FIELDS or name in ("command", "demo", "config_file", "name"):
+            raise ConfigError(f"{path}: unknown option {key!r}")
+        out[name] = value
+    return out
+
+
+def _coerce(values: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in values.items():
+        if name in _TUPLES and value is not None:
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            value = tuple(str(v) for v in value)
+        out[name] = value
+    return out
+
+
+def _validate(cfg: Config) -> Config:
+    def err(msg: str) -> None:
+        raise ConfigError(msg)
+
+    if not 0 <= cfg.ttl <= 3600:
+        err(f"--ttl {cfg.ttl}: must be between 0 and 3600")
+    if cfg.pods not in POD_MODES:
+        err(f"--pods {cfg.pods!r}: must be one of {', '.join(POD_MODES)}")
+    if cfg.proxy_mode not in PROXY_MODES:
+        err(f"--proxy-mode {cfg.proxy_mode!r}: must be one of {', '.join(PROXY_MODES)}")
+    if not cfg.zones:
+        err("--zone: at least one zone is needed")
+    zones = tuple(z.strip(".").lower() + "" for z in cfg.zones)
+    if any(not z for z in zones):
+        err("--zone: the root zone cannot be served authoritatively")
+    for x in cfg.listen:
+        parse_hostport(x, 53)
+    for x in cfg.upstream:
+        parse_hostport(x, 53)
+    for name in ("node_ips", "local_ips"):
+        for ip in getattr(cfg, name):
+            try:
+                ipaddress.ip_address(ip)
+            except ValueError:
+                err(f"--{name[:-1].replace('_', '-')} {ip!r}: not an IP address")
+    for name in ("cluster_cidrs", "service_cidrs", "nodeport_addresses"):
+        for c in getattr(cfg, name):
+            if name == "nodeport_addresses" and c in ("primary", "all"):
+                continue
+            try:
+                ipaddress.ip_network(c, strict=False)
+            except ValueError:
+                err(f"--{name.rstrip('s').replace('_', '-')} {c!r}: not a CIDR")
+    if cfg.sync_period <= 0 or cfg.min_sync_period < 0:
+        err("--sync-period must be positive and --min-sync-period not negative")
+    if not 0 <= cfg.masquerade_bit <= 31:
+        err("--masquerade-bit must be between 0 and 31")
+    if cfg.namespaces and cfg.namespace_labels:
+        err("--namespaces and --namespace-labels cannot be combined")
+    if cfg.lameduck < 0:
+        err("--lameduck must not be negative")
+    for name in ("metrics_listen", "health_listen"):
+        v = getattr(cfg, name)
+        if v and v != "none":
+            parse_hostport(v, 0)
+    if cfg.from_pod and cfg.from_pod.count("/") != 1:
+        err(f"--from-pod {cfg.from_pod!r}: expected NAMESPACE/POD")
+    fall = None if cfg.fallthrough is None else tuple(z.strip(".").lower() for z in cfg.fallthrough)
+    return replace(cfg, zones=zones, fallthrough=fall)
+
+
+def load(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Config:
+    """Parse argv into a validated Config; raises ConfigError (SystemExit for --help)."""
+    env = os.environ if env is None else env
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code == 0:
+            raise
+        raise ConfigError("bad command line (see the usage above)") from None
+    flags = vars(ns)
+    if not flags.get("command"):
+        raise ConfigError("missing command: one of " + ", ".join(COMMANDS))
+    values: dict[str, Any] = {}
+    if flags.get("config_file"):
+        values.update(_from_file(flags["config_file"]))
+    if env.get("NODE_NAME"):
+        values["node_name"] = env["NODE_NAME"]
+    command = flags["command"]
+    if command == "trace" and "resolv_conf" in flags:
+        flags["trace_resolv_conf"] = flags.pop("resolv_conf")
+    values.update(flags)
+    if "fallthrough" in values and values["fallthrough"] is not None:
+        values["fallthrough"] = tuple(values["fallthrough"])
+    try:
+        cfg = Config(**_coerce(values))
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+    for name, f in _FIELDS.items():
+        v = getattr(cfg, name)
+        if f.type in ("int", "float") and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise ConfigError(f"{name}: expected a number, got {v!r}")
+        if f.type == "bool" and not isinstance(v, bool):
+            raise ConfigError(f"{name}: expected true or false, got {v!r}")
+    kube = cfg.kubeconfig or env.get("KUBECONFIG", "") or (
+        "in-cluster" if env.get("KUBERNETES_SERVICE_HOST") else "")
+    demo = not cfg.manifest and not kube
+    cfg = replace(cfg, kubeconfig="" if cfg.manifest else kube, demo=demo)
+    return _validate(cfg)

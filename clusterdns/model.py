@@ -1,0 +1,145 @@
+"""Slim, frozen records of the cluster objects clusterdns uses.
+
+Raw Kubernetes objects stop at the source layer (see sources/objects.py);
+everything downstream (DNS zone, proxier, trace) reads only these records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TCP, UDP, SCTP = "TCP", "UDP", "SCTP"
+PROTOCOLS = (TCP, UDP, SCTP)
+
+CLUSTER_IP, NODE_PORT, LOAD_BALANCER, EXTERNAL_NAME = (
+    "ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+SERVICE_TYPES = (CLUSTER_IP, NODE_PORT, LOAD_BALANCER, EXTERNAL_NAME)
+
+IPV4, IPV6, FQDN = "IPv4", "IPv6", "FQDN"
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    name: str            # "" for an unnamed port
+    protocol: str        # TCP, UDP or SCTP
+    port: int
+    node_port: int = 0   # 0 when not allocated
+    target_port: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    namespace: str
+    name: str
+    type: str = CLUSTER_IP
+    cluster_ips: tuple[str, ...] = ()       # canonical text, first is primary
+    headless: bool = False                   # clusterIP: None
+    external_name: str = ""                  # ExternalName target, no trailing dot
+    ports: tuple[ServicePort, ...] = ()
+    external_ips: tuple[str, ...] = ()
+    lb_ips: tuple[str, ...] = ()             # status ingress IPs (ipMode Proxy excluded)
+    lb_source_ranges: tuple[str, ...] = ()   # normalised CIDRs
+    affinity_timeout: int = 0                # ClientIP affinity seconds; 0 = none
+    external_local: bool = False             # externalTrafficPolicy: Local
+    internal_local: bool = False             # internalTrafficPolicy: Local
+    health_check_node_port: int = 0
+    topology_aware: bool = False             # topology-mode annotation / trafficDistribution
+    proxy_name: str = ""                     # service.kubernetes.io/service-proxy-name label
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def is_external_name(self) -> bool:
+        return self.type == EXTERNAL_NAME
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointPort:
+    name: str
+    protocol: str
+    port: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    addresses: tuple[str, ...]
+    ready: bool = True          # absent counts as ready
+    serving: bool = True        # absent takes the value of ready
+    terminating: bool = False
+    hostname: str = ""
+    node_name: str = ""
+    zone: str = ""
+    hint_zones: tuple[str, ...] | None = None   # None: no hints at all
+    pod_name: str = ""          # targetRef name when kind is Pod
+    pod_namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSlice:
+    namespace: str
+    name: str
+    service: str                 # kubernetes.io/service-name label
+    address_type: str = IPV4
+    endpoints: tuple[Endpoint, ...] = ()
+    ports: tuple[EndpointPort, ...] = ()
+    trigger_time: float | None = None   # endpoints.kubernetes.io/last-change-trigger-time
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def service_key(self) -> tuple[str, str]:
+        return (self.namespace, self.service)
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    namespace: str
+    name: str
+    ips: tuple[str, ...] = ()
+    node_name: str = ""
+    host_network: bool = False
+    phase: str = "Running"
+    deleting: bool = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def live(self) -> bool:
+        """Counted by CoreDNS's pod cache (not finished, not being deleted)."""
+        return not self.deleting and self.phase not in ("Succeeded", "Failed", "Unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    addresses: tuple[str, ...] = ()     # InternalIP first, then ExternalIP
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def zone(self) -> str:
+        return dict(self.labels).get("topology.kubernetes.io/zone", "")
+
+
+# The kinds a source delivers, in the order a full state is built.
+KINDS = ("Namespace", "Service", "EndpointSlice", "Pod", "Node")
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """An object that failed validation: kept only to be reported."""
+    kind: str
+    name: str
+    reason: str
+    extra: dict = field(default_factory=dict, compare=False)

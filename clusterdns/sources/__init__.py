@@ -1,0 +1,1 @@
+"""State sources: Kubernetes list+watch, or manifest files."""

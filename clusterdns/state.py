@@ -1,0 +1,212 @@
+"""The versioned cluster state every consumer reads.
+
+A ClusterState is immutable: a change builds a new one beside the old and the
+store swaps it in, so a DNS reader or a rule sync never sees half an update.
+Subscribers learn which Services changed (the Service object or any of its
+EndpointSlices), which is what partial rule syncs and DNS rebuilds need.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from .model import KINDS, EndpointSlice, Namespace, Node, Pod, Service
+
+log = logging.getLogger(__name__)
+
+_EMPTY: Mapping = MappingProxyType({})
+
+
+def record_key(kind: str, record: Any) -> Any:
+    """The store key of a record: (namespace, name), or name for cluster-scoped kinds."""
+    if kind in ("Namespace", "Node"):
+        return record.name
+    return (record.namespace, record.name)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    version: int = 0
+    services: Mapping[tuple[str, str], Service] = field(default_factory=lambda: _EMPTY)
+    slices: Mapping[tuple[str, str], EndpointSlice] = field(default_factory=lambda: _EMPTY)
+    namespaces: Mapping[str, Namespace] = field(default_factory=lambda: _EMPTY)
+    pods: Mapping[tuple[str, str], Pod] = field(default_factory=lambda: _EMPTY)
+    nodes: Mapping[str, Node] = field(default_factory=lambda: _EMPTY)
+    synced: frozenset[str] = frozenset()   # kinds whose first full list has arrived
+    serial: int = 0                        # Unix time of the last change (SOA serial)
+
+    def of_kind(self, kind: str) -> Mapping:
+        return getattr(self, _ATTR[kind])
+
+    @cached_property
+    def slices_by_service(self) -> Mapping[tuple[str, str], tuple[EndpointSlice, ...]]:
+        index: dict[tuple[str, str], list[EndpointSlice]] = {}
+        for key in sorted(self.slices):
+            sl = self.slices[key]
+            index.setdefault(sl.service_key, []).append(sl)
+        return MappingProxyType({k: tuple(v) for k, v in index.items()})
+
+    def slices_for(self, namespace: str, service: str) -> tuple[EndpointSlice, ...]:
+        return self.slices_by_service.get((namespace, service), ())
+
+    @cached_property
+    def pods_by_ip(self) -> Mapping[str, tuple[Pod, ...]]:
+        index: dict[str, list[Pod]] = {}
+        for pod in self.pods.values():
+            if pod.live and not pod.host_network:
+                for ip in pod.ips:
+                    index.setdefault(ip, []).append(pod)
+        return MappingProxyType({k: tuple(v) for k, v in index.items()})
+
+    def is_synced(self, *kinds: str) -> bool:
+        return all(k in self.synced for k in kinds)
+
+
+_ATTR = {"Service": "services", "EndpointSlice": "slices", "Namespace": "namespaces",
+         "Pod": "pods", "Node": "nodes"}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What changed between two published versions."""
+    services: frozenset[tuple[str, str]] = frozenset()   # Service or its slices changed
+    kinds: frozenset[str] = frozenset()                  # kinds with any change
+    full: bool = False                                   # a whole kind was replaced
+
+
+Subscriber = Callable[[ClusterState, ClusterState, Delta], None]
+
+
+class StateStore:
+    """Owns the current ClusterState; sources write, consumers subscribe."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.current = ClusterState(serial=int(clock()))
+        self._subscribers: list[Subscriber] = []
+        self._pending: dict[str, dict] | None = None
+        self._changed: set[tuple[str, str]] = set()
+        self._kinds: set[str] = set()
+        self._synced: set[str] = set()
+        self._full = False
+        self._depth = 0
+
+    def subscribe(self, fn: Subscriber) -> None:
+        self._subscribers.append(fn)
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group writes so they publish as one version."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._publish()
+
+    def _table(self, kind: str) -> dict:
+        if self._pending is None:
+            self._pending = {}
+        if kind not in self._pending:
+            self._pending[kind] = dict(self.current.of_kind(kind))
+        return self._pending[kind]
+
+    def _touch(self, kind: str, record: Any) -> None:
+        self._kinds.add(kind)
+        if kind == "Service":
+            self._changed.add(record.key)
+        elif kind == "EndpointSlice":
+            self._changed.add(record.service_key)
+
+    def upsert(self, kind: str, record: Any) -> None:
+        with self.batch():
+            table = self._table(kind)
+            key = record_key(kind, record)
+            old = table.get(key)
+            if old == record:
+                return
+            table[key] = record
+            if old is not None:
+                self._touch(kind, old)
+            self._touch(kind, record)
+
+    def delete(self, kind: str, key: Any) -> None:
+        with self.batch():
+            table = self._table(kind)
+            old = table.pop(key, None)
+            if old is not None:
+                self._touch(kind, old)
+
+    def replace(self, kind: str, records: Iterable[Any], synced: bool = True) -> None:
+        """Replace every object of a kind (a full list); marks the kind synced."""
+        with self.batch():
+            table = self._table(kind)
+            new = {record_key(kind, r): r for r in records}
+            for key, old in table.items():
+                if new.get(key) != old:
+                    self._touch(kind, old)
+            for key, rec in new.items():
+                if table.get(key) != rec:
+                    self._touch(kind, rec)
+            table.clear()
+            table.update(new)
+            if synced:
+                self._synced.add(kind)
+            self._full = True
+
+    def mark_synced(self, *kinds: str) -> None:
+        with self.batch():
+            self._synced.update(kinds)
+
+    def _publish(self) -> None:
+        pending, self._pending = self._pending or {}, None
+        new_synced = frozenset(self.current.synced | self._synced)
+        if not self._kinds and new_synced == self.current.synced:
+            self._reset()
+            return
+        old = self.current
+        fields = {_ATTR[k]: MappingProxyType(v) for k, v in pending.items()}
+        new = ClusterState(
+            version=old.version + 1,
+            services=fields.get("services", old.services),
+            slices=fields.get("slices", old.slices),
+            namespaces=fields.get("namespaces", old.namespaces),
+            pods=fields.get("pods", old.pods),
+            nodes=fields.get("nodes", old.nodes),
+            synced=new_synced,
+            serial=max(int(self._clock()), old.serial + 1) if self._kinds else old.serial)
+        delta = Delta(frozenset(self._changed), frozenset(self._kinds), self._full)
+        self._reset()
+        self.current = new
+        for fn in list(self._subscribers):
+            try:
+                fn(old, new, delta)
+            except Exception:  # a consumer's bug must not stop the others
+                log.exception("state subscriber failed")
+
+    def _reset(self) -> None:
+        self._changed = set()
+        self._kinds = set()
+        self._synced = set()
+        self._full = False
+
+
+def state_from_records(records: Iterable[tuple[str, Any]], synced: Iterable[str] = KINDS) -> ClusterState:
+    """Build a complete state at once (tests, benchmarks, one-shot commands)."""
+    store = StateStore()
+    by_kind: dict[str, list] = {k: [] for k in KINDS}
+    for kind, rec in records:
+        by_kind[kind].append(rec)
+    with store.batch():
+        for kind in KINDS:
+            store.replace(kind, by_kind[kind], synced=kind in set(synced))
+    return store.current
+
+
+__all__ = ["ClusterState", "Delta", "StateStore", "record_key", "state_from_records"]
