@@ -1,0 +1,111 @@
+import copy
+
+import pytest
+
+from clusterdns.sources.objects import InvalidObject, convert
+
+SERVICE = {
+    "apiVersion": "v1", "kind": "Service",
+    "metadata": {"name": "web", "namespace": "shop"},
+    "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.5", "clusterIPs": ["10.96.0.5", "fd00::5"],
+             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
+}
+
+SLICE = {
+    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+    "metadata": {"name": "web-abc", "namespace": "shop", "labels": {"kubernetes.io/service-name": "web"},
+                 "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2026-01-02T03:04:05Z"}},
+    "addressType": "IPv4",
+    "endpoints": [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}, "nodeName": "n1", "hostname": "web-0"},
+        {"addresses": ["10.0.0.2"], "conditions": {}},
+        {"addresses": ["10.0.0.3"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+    ],
+    "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+}
+
+
+def with_(obj, path, value):
+    obj = copy.deepcopy(obj)
+    *parents, last = path
+    cur = obj
+    for p in parents:
+        cur = cur[p]
+    cur[last] = value
+    return obj
+
+
+def test_service_dual_stack_and_ports():
+    svc = convert("Service", SERVICE)
+    assert svc.cluster_ips == ("10.96.0.5", "fd00::5")
+    assert svc.ports[0].name == "http" and svc.ports[0].port == 80
+    assert not svc.headless and svc.key == ("shop", "web")
+
+
+def test_headless_and_external_name():
+    headless = convert("Service", with_(with_(SERVICE, ["spec", "clusterIPs"], ["None"]), ["spec", "clusterIP"], "None"))
+    assert headless.headless and headless.cluster_ips == ()
+    ext = convert("Service", {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x", "namespace": "a"},
+                              "spec": {"type": "ExternalName", "externalName": "DB.Example.com."}})
+    assert ext.is_external_name and ext.external_name == "db.example.com"
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (["spec", "clusterIPs"], [167772165], "must be a string"),          # YAML integer, not an address
+    (["spec", "clusterIPs"], ["10.96.0.300"], "invalid IP"),
+    (["spec", "ports"], [{"port": "eighty"}], "port must be an integer"),
+    (["spec", "ports"], [{"port": 70000}], "out of range"),
+    (["spec", "ports"], [{"port": 80, "protocol": "ICMP"}], "unsupported protocol"),
+    (["spec", "type"], "Weird", "unknown service type"),
+    (["metadata"], "oops", "metadata"),
+    (["spec", "sessionAffinity"], "Sticky", "sessionAffinity"),
+])
+def test_invalid_service_is_rejected_with_reason(path, value, message):
+    with pytest.raises(InvalidObject, match=message):
+        convert("Service", with_(SERVICE, path, value))
+
+
+def test_endpointslice_conditions_default_to_ready():
+    sl = convert("EndpointSlice", SLICE)
+    a, b, c = sl.endpoints
+    assert (a.ready, a.serving, a.terminating, a.hostname, a.node_name) == (True, True, False, "web-0", "n1")
+    assert (b.ready, b.serving) == (True, True)          # absent counts as ready
+    assert (c.ready, c.serving, c.terminating) == (False, True, True)
+    assert sl.service_key == ("shop", "web")
+    assert sl.trigger_time == pytest.approx(1767323045.0)
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (["metadata", "labels"], {}, "service-name"),
+    (["addressType"], "IPv5", "addressType"),
+    (["endpoints", 0, "addresses"], ["fd00::1"], "not of addressType"),
+    (["endpoints", 0, "conditions", "ready"], "yes", "expected a boolean"),
+    (["endpoints", 0, "hostname"], "Not_A_Label", "DNS label"),
+])
+def test_invalid_slice_is_rejected(path, value, message):
+    with pytest.raises(InvalidObject, match=message):
+        convert("EndpointSlice", with_(SLICE, path, value))
+
+
+def test_loadbalancer_fields_normalised():
+    lb = with_(SERVICE, ["spec"], {
+        "type": "LoadBalancer", "clusterIP": "10.96.0.9", "externalTrafficPolicy": "Local",
+        "healthCheckNodePort": 32000, "loadBalancerSourceRanges": [" 203.0.113.000/025 "],
+        "ports": [{"port": 80, "nodePort": 30080}]})
+    lb["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}, {"ip": "198.51.100.2", "ipMode": "Proxy"}]}}
+    svc = convert("Service", lb)
+    assert svc.lb_ips == ("198.51.100.1",)
+    assert svc.lb_source_ranges == ("203.0.113.0/25",)
+    assert svc.external_local and svc.health_check_node_port == 32000
+    assert svc.ports[0].node_port == 30080 and svc.ports[0].protocol == "TCP"
+
+
+def test_pod_and_node():
+    pod = convert("Pod", {"metadata": {"name": "p", "namespace": "a", "deletionTimestamp": "x"},
+                          "status": {"podIPs": [{"ip": "10.0.0.9"}], "phase": "Running"}})
+    assert pod.ips == ("10.0.0.9",) and not pod.live
+    node = convert("Node", {"metadata": {"name": "n", "labels": {"topology.kubernetes.io/zone": "z1"}},
+                            "status": {"addresses": [{"type": "Hostname", "address": "n"},
+                                                     {"type": "ExternalIP", "address": "1.2.3.4"},
+                                                     {"type": "InternalIP", "address": "10.1.1.1"}]}})
+    assert node.addresses == ("10.1.1.1", "1.2.3.4") and node.zone == "z1"

@@ -1,0 +1,53 @@
+from clusterdns.model import Endpoint, EndpointSlice, Service
+from clusterdns.state import StateStore
+
+
+def svc(name, ip="10.96.0.1"):
+    return Service("ns", name, cluster_ips=(ip,))
+
+
+def test_versions_are_immutable_and_deltas_name_services():
+    store = StateStore()
+    seen = []
+    store.subscribe(lambda old, new, delta: seen.append((old, new, delta)))
+    store.upsert("Service", svc("a"))
+    v1 = store.current
+    store.upsert("EndpointSlice", EndpointSlice("ns", "a-1", "a", endpoints=(Endpoint(("10.0.0.1",)),)))
+    v2 = store.current
+    assert v1.version + 1 == v2.version
+    assert ("ns", "a-1") not in v1.slices          # the old version is untouched
+    assert seen[-1][2].services == {("ns", "a")}
+    assert v2.slices_for("ns", "a")[0].endpoints[0].addresses == ("10.0.0.1",)
+
+
+def test_unchanged_upsert_publishes_nothing():
+    store = StateStore()
+    store.upsert("Service", svc("a"))
+    version = store.current.version
+    store.upsert("Service", svc("a"))
+    assert store.current.version == version
+
+
+def test_batch_publishes_once_and_replace_diffs():
+    store = StateStore()
+    deltas = []
+    store.subscribe(lambda o, n, d: deltas.append(d))
+    with store.batch():
+        store.replace("Service", [svc("a"), svc("b", "10.96.0.2")])
+        store.replace("EndpointSlice", [])
+    assert len(deltas) == 1 and store.current.is_synced("Service", "EndpointSlice")
+    store.replace("Service", [svc("a"), svc("c", "10.96.0.3")])
+    assert deltas[-1].services == {("ns", "b"), ("ns", "c")}
+    assert set(store.current.services) == {("ns", "a"), ("ns", "c")}
+
+
+def test_failing_subscriber_does_not_stop_others():
+    store = StateStore()
+    got = []
+
+    def bad(*_):
+        raise RuntimeError("boom")
+    store.subscribe(bad)
+    store.subscribe(lambda o, n, d: got.append(n.version))
+    store.upsert("Service", svc("a"))
+    assert got == [store.current.version]
