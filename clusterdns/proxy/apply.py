@@ -1,0 +1,271 @@
+"""Executors: the only place the proxier touches the kernel.
+
+Every tool runs through a CommandRunner (`async run(argv, stdin) -> Result`):
+SubprocessRunner for real (asyncio subprocesses, so the event loop keeps
+serving DNS while a large restore runs) and RecordingRunner for unit tests
+(records each command, answers from a script). The mode executors on top
+(IptablesExecutor, NftExecutor, IpvsExecutor) speak one tool each and raise
+ApplyError carrying the tool's own stderr when it refuses the input.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+log = logging.getLogger(__name__)
+
+CANARY = "KUBE-PROXY-CANARY"
+CANARY_TABLES = ("mangle", "nat", "filter")
+NFT_TABLE = "kube-proxy"
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+class ApplyError(RuntimeError):
+    """A tool refused its input or could not run; the message holds its stderr."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+        tool = result.argv[0] if result.argv else "?"
+        detail = (result.stderr or result.stdout).strip() or f"exit status {result.returncode}"
+        super().__init__(f"{tool} failed (exit {result.returncode}): {detail}")
+
+
+class CommandRunner(Protocol):
+    async def run(self, argv: Iterable[str], stdin: str | None = None) -> Result: ...
+
+
+class SubprocessRunner:
+    """Runs tools as child processes; `prefix` wraps every command (e.g. `ip netns exec NS`)."""
+
+    def __init__(self, prefix: Iterable[str] = (), timeout: float = 120.0) -> None:
+        self.prefix = tuple(prefix)
+        self.timeout = timeout
+
+    async def run(self, argv: Iterable[str], stdin: str | None = None) -> Result:
+        argv = tuple(argv)
+        full = self.prefix + argv
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *full, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        except OSError as exc:  # missing binary: report it like a tool failure
+            return Result(argv, 127, "", f"cannot run {argv[0]}: {exc.strerror or exc}")
+        try:
+            out, err = await asyncio.wait_for(
+                proc.communicate(stdin.encode() if stdin is not None else None), self.timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return Result(argv, -9, "", f"{argv[0]} timed out after {self.timeout:g}s")
+        return Result(argv, proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+@dataclass
+class RecordingRunner:
+    """A fake runner for unit tests: records (argv, stdin) and answers from `respond`.
+
+    `respond(argv, stdin)` returns a Result, or None for success with no output.
+    """
+    respond: Callable[[tuple[str, ...], str | None], Result | None] | None = None
+    calls: list[tuple[tuple[str, ...], str | None]] = field(default_factory=list)
+
+    async def run(self, argv: Iterable[str], stdin: str | None = None) -> Result:
+        argv = tuple(argv)
+        self.calls.append((argv, stdin))
+        res = self.respond(argv, stdin) if self.respond else None
+        return res if res is not None else Result(argv, 0)
+
+    def commands(self) -> list[str]:
+        return [" ".join(a) for a, _ in self.calls]
+
+
+def _check(res: Result) -> Result:
+    if res.returncode != 0:
+        raise ApplyError(res)
+    return res
+
+
+# ---------------------------------------------------------------- iptables
+
+_CHAIN_LINE = re.compile(r"^:(\S+) ")
+
+
+def parse_save(text: str, prefix: str = "KUBE-") -> dict[str, set[str]]:
+    """Chains per table from iptables-save output, keeping names that start with `prefix`."""
+    out: dict[str, set[str]] = {}
+    table = None
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+            out.setdefault(table, set())
+        elif table and line.startswith(":"):
+            m = _CHAIN_LINE.match(line)
+            if m and m.group(1).startswith(prefix):
+                out[table].add(m.group(1))
+    return out
+
+
+def count_rules(save_text: str) -> int:
+    return sum(1 for line in save_text.splitlines() if line.startswith("-A "))
+
+
+class IptablesExecutor:
+    """iptables-restore / iptables-save for one family and one backend (nft or legacy)."""
+
+    def __init__(self, runner: CommandRunner, family: int = 4, backend: str | None = None) -> None:
+        self.runner = runner
+        self.family = family
+        self.backend = backend   # None: detect on first use
+
+    def _tool(self, name: str) -> str:
+        base = "iptables" if self.family == 4 else "ip6tables"
+        return f"{base}-{self.backend}-{name}" if name else f"{base}-{self.backend}"
+
+    async def detect_backend(self) -> str:
+        """Pick the backend the host uses, as kubernetes-sigs/iptables-wrappers does:
+        the one holding more rules; nft when tied or when legacy is missing."""
+        if self.backend:
+            return self.backend
+        counts = {}
+        for backend in ("legacy", "nft"):
+            tool = f"{'iptables' if self.family == 4 else 'ip6tables'}-{backend}-save"
+            if shutil.which(tool) is None and not isinstance(self.runner, RecordingRunner):
+                counts[backend] = -1
+                continue
+            res = await self.runner.run([tool])
+            counts[backend] = count_rules(res.stdout) if res.returncode == 0 else -1
+        self.backend = "legacy" if counts["legacy"] > counts["nft"] else "nft"
+        log.info("iptables backend: %s (rules: legacy %d, nft %d)", self.backend, counts["legacy"], counts["nft"])
+        return self.backend
+
+    async def restore(self, text: str) -> None:
+        """One atomic (per table) `iptables-restore --noflush --counters` call."""
+        await self.detect_backend()
+        _check(await self.runner.run([self._tool("restore"), "-w", "5", "--noflush", "--counters"], text))
+
+    async def save(self, table: str) -> str:
+        await self.detect_backend()
+        res = await self.runner.run([self._tool("save"), "-t", table])
+        if res.returncode != 0 and "does not exist" in res.stderr.lower():
+            return ""
+        return _check(res).stdout
+
+    async def existing_chains(self, tables: Iterable[str] = ("nat", "filter")) -> dict[str, set[str]]:
+        """The KUBE-* chains in the kernel now, per table."""
+        out: dict[str, set[str]] = {}
+        for table in tables:
+            out[table] = parse_save(await self.save(table)).get(table, set())
+        return out
+
+    async def canary_exists(self, table: str = "mangle") -> bool:
+        await self.detect_backend()
+        res = await self.runner.run([self._tool(""), "-w", "5", "-t", table, "-S", CANARY])
+        return res.returncode == 0
+
+    async def ensure_canary(self) -> None:
+        """The empty KUBE-PROXY-CANARY chains whose absence means someone flushed the tables."""
+        text = "".join(f"*{t}\n:{CANARY} - [0:0]\nCOMMIT\n" for t in CANARY_TABLES)
+        await self.restore(text)
+
+
+# ---------------------------------------------------------------- nftables
+
+class NftExecutor:
+    """`nft -f -`: one transaction per call, text on stdin."""
+
+    def __init__(self, runner: CommandRunner, family: int = 4) -> None:
+        self.runner = runner
+        self.family = family
+
+    @property
+    def nft_family(self) -> str:
+        return "ip" if self.family == 4 else "ip6"
+
+    async def apply(self, text: str) -> None:
+        _check(await self.runner.run(["nft", "-f", "-"], text))
+
+    async def table_exists(self, table: str = NFT_TABLE) -> bool:
+        # Lists table names only: cheap however large our table is.
+        res = await self.runner.run(["nft", "list", "tables", self.nft_family])
+        return res.returncode == 0 and any(
+            line.split()[-1:] == [table] for line in res.stdout.splitlines())
+
+
+# ---------------------------------------------------------------- IPVS
+
+IPVS_DEVICE = "kube-ipvs0"
+
+
+class IpvsExecutor:
+    """Applies an ipvs.IpvsConfig: the kube-ipvs0 device and its addresses, ipsets,
+    IPVS virtual/real servers (ipvsadm-restore) and the few iptables rules.
+
+    Needs the ip_vs kernel module, which this development machine lacks."""
+
+    def __init__(self, runner: CommandRunner, family: int = 4, iptables: IptablesExecutor | None = None) -> None:
+        self.runner = runner
+        self.family = family
+        self.iptables = iptables or IptablesExecutor(runner, family)
+
+    async def ensure_device(self, addresses: Iterable[str]) -> None:
+        res = await self.runner.run(["ip", "link", "show", IPVS_DEVICE])
+        if res.returncode != 0:
+            # A bridge without ports where the dummy type is missing holds addresses just as well.
+            res = await self.runner.run(["ip", "link", "add", IPVS_DEVICE, "type", "dummy"])
+            if res.returncode != 0:
+                _check(await self.runner.run(["ip", "link", "add", IPVS_DEVICE, "type", "bridge"]))
+        _check(await self.runner.run(["ip", "link", "set", IPVS_DEVICE, "up"]))
+        want = set(addresses)
+        fam = "-4" if self.family == 4 else "-6"
+        res = _check(await self.runner.run(["ip", fam, "-o", "addr", "show", "dev", IPVS_DEVICE]))
+        have = {tok.split("/")[0] for line in res.stdout.splitlines()
+                for i, tok in enumerate(line.split()) if i > 0 and line.split()[i - 1] in ("inet", "inet6")}
+        plen = "32" if self.family == 4 else "128"
+        for ip in sorted(want - have):
+            _check(await self.runner.run(["ip", "addr", "add", f"{ip}/{plen}", "dev", IPVS_DEVICE]))
+        for ip in sorted(have - want):
+            await self.runner.run(["ip", "addr", "del", f"{ip}/{plen}", "dev", IPVS_DEVICE])
+
+    async def apply(self, config) -> None:
+        """config: an ipvs.IpvsConfig (ipvsadm, ipsets, iptables texts and the addresses)."""
+        await self.ensure_device(config.addresses)
+        if config.ipsets:
+            _check(await self.runner.run(["ipset", "restore", "-exist"], config.ipsets))
+        _check(await self.runner.run(["ipvsadm-restore"], config.ipvsadm))
+        if config.iptables:
+            await self.iptables.restore(config.iptables)
+
+    async def clear(self) -> None:
+        """Remove our IPVS state: virtual servers on kube-ipvs0's addresses, the device, our ipsets."""
+        res = await self.runner.run(["ip", "-o", "addr", "show", "dev", IPVS_DEVICE])
+        ours = {tok.split("/")[0] for line in res.stdout.splitlines() for tok in line.split()
+                if "/" in tok} if res.returncode == 0 else set()
+        res = await self.runner.run(["ipvsadm", "-S", "-n"])
+        for line in res.stdout.splitlines() if res.returncode == 0 else ():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "-A" and parts[1] in ("-t", "-u", "--sctp-service"):
+                addr = parts[2].rsplit(":", 1)[0].strip("[]")
+                if addr in ours:
+                    await self.runner.run(["ipvsadm", "-D", parts[1], parts[2]])
+        await self.runner.run(["ip", "link", "del", IPVS_DEVICE])
+        res = await self.runner.run(["ipset", "list", "-n"])
+        for name in res.stdout.split() if res.returncode == 0 else ():
+            if name.startswith("KUBE-"):
+                await self.runner.run(["ipset", "destroy", name])
+
+
+__all__ = [
+    "ApplyError", "CommandRunner", "IptablesExecutor", "IpvsExecutor", "NftExecutor",
+    "RecordingRunner", "Result", "SubprocessRunner", "parse_save", "count_rules",
+]
