@@ -1,0 +1,162 @@
+"""UDP conntrack cleanup after a successful sync.
+
+A UDP flow keeps its DNAT in conntrack for as long as packets keep coming, so
+a DNS client sending from a fixed port keeps talking to an endpoint that went
+away, and a flow created while a Service had no endpoints (so no DNAT) keeps
+bypassing the new rules. After each successful sync we delete exactly those
+flows with the conntrack CLI. Which flows is decided by `stale_flows`, a pure
+function over the state whose rules were in the kernel before and the state
+just applied.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..model import IPV4, IPV6, UDP
+from ..state import ClusterState
+from .apply import CommandRunner, Result
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class Flow:
+    """A conntrack delete filter: UDP flows to (dst, port), DNATed to reply_src.
+
+    dst None: any destination (NodePorts). reply_src None: every flow to the
+    destination (the Service had no endpoints, so none of them was DNATed)."""
+    port: int
+    dst: str | None = None
+    reply_src: str | None = None
+
+    def argv(self, family: int = 4) -> list[str]:
+        out = ["conntrack", "-D", "-f", "ipv4" if family == 4 else "ipv6", "-p", "udp"]
+        if self.dst is not None:
+            out += ["--orig-dst", self.dst]
+        out += ["--orig-port-dst", str(self.port)]
+        if self.reply_src is not None:
+            out += ["--reply-src", self.reply_src]
+        return out
+
+
+@dataclass(frozen=True)
+class _UdpPort:
+    port: int
+    node_port: int
+    addresses: tuple[str, ...]        # ClusterIPs, externalIPs, LB IPs of the family
+    endpoints: frozenset[str]         # IPs of endpoints that can receive traffic
+
+
+def _of_family(ips: Iterable[str], family: int) -> tuple[str, ...]:
+    out = []
+    for ip in ips:
+        try:
+            if ipaddress.ip_address(ip).version == family:
+                out.append(ip)
+        except ValueError:
+            continue
+    return tuple(out)
+
+
+def udp_ports(state: ClusterState, family: int = 4,
+              keys: Iterable[tuple[str, str]] | None = None) -> dict[tuple, _UdpPort]:
+    """UDP service ports with their addresses and usable endpoint IPs, by (ns, name, port name)."""
+    addr_type = IPV4 if family == 4 else IPV6
+    out: dict[tuple, _UdpPort] = {}
+    services = state.services if keys is None else {
+        k: state.services[k] for k in keys if k in state.services}
+    for key, svc in services.items():
+        if svc.headless or svc.is_external_name or not svc.cluster_ips:
+            continue
+        ports = [p for p in svc.ports if p.protocol == UDP]
+        if not ports:
+            continue
+        addresses = _of_family(svc.cluster_ips + svc.external_ips + svc.lb_ips, family)
+        if not addresses:
+            continue
+        slices = [s for s in state.slices_for(*key) if s.address_type == addr_type]
+        for sp in ports:
+            eps = set()
+            for sl in slices:
+                if not any(p.name == sp.name and p.protocol == UDP for p in sl.ports):
+                    continue
+                for ep in sl.endpoints:
+                    # Ready endpoints, or serving-terminating ones (the fallback set).
+                    if ep.addresses and (ep.ready or (ep.serving and ep.terminating)):
+                        eps.add(ep.addresses[0])
+            out[key + (sp.name,)] = _UdpPort(sp.port, sp.node_port, addresses, frozenset(eps))
+    return out
+
+
+def stale_flows(old: ClusterState, new: ClusterState, family: int = 4,
+                keys: Iterable[tuple[str, str]] | None = None) -> list[Flow]:
+    """The UDP flows to delete after `new`'s rules replaced `old`'s.
+
+    keys: the Services changed between the two (None: compare everything).
+    - an endpoint that left a UDP port (or whose Service or port was deleted):
+      flows to each service address:port and to the NodePort DNATed to it;
+    - a UDP port that went from no endpoints to some: every flow to its
+      addresses:port and NodePort (they were created without DNAT).
+    """
+    keys = None if keys is None else set(keys)
+    before = udp_ports(old, family, keys)
+    after = udp_ports(new, family, keys)
+    flows: set[Flow] = set()
+    for k, o in before.items():
+        n = after.get(k)
+        gone = o.endpoints - (n.endpoints if n else frozenset())
+        for ep in gone:
+            for addr in o.addresses:
+                flows.add(Flow(o.port, addr, ep))
+            if o.node_port:
+                flows.add(Flow(o.node_port, None, ep))
+    for k, n in after.items():
+        o = before.get(k)
+        if n.endpoints and (o is None or not o.endpoints):
+            for addr in n.addresses:
+                flows.add(Flow(n.port, addr, None))
+            if n.node_port:
+                flows.add(Flow(n.node_port, None, None))
+    return sorted(flows, key=lambda f: (f.dst or "", f.port, f.reply_src or ""))
+
+
+_DELETED = re.compile(r"(\d+) flow entries have been deleted")
+
+
+def deleted_count(res: Result) -> int | None:
+    """Entries deleted, or None when the CLI failed (exit 1 with '0 ... deleted' is success)."""
+    m = _DELETED.search(res.stderr + res.stdout)
+    if m:
+        return int(m.group(1))
+    return 0 if res.returncode == 0 else None
+
+
+class ConntrackCleaner:
+    """Runs the deletes; failures are logged, never raised (the rules are already in)."""
+
+    def __init__(self, runner: CommandRunner, family: int = 4) -> None:
+        self.runner = runner
+        self.family = family
+        self.failures = 0
+
+    async def clear(self, flows: Iterable[Flow]) -> int:
+        total = 0
+        for flow in flows:
+            res = await self.runner.run(flow.argv(self.family))
+            n = deleted_count(res)
+            if n is None:
+                self.failures += 1
+                log.warning("conntrack cleanup failed: %s: %s", " ".join(flow.argv(self.family)),
+                            (res.stderr or res.stdout).strip())
+                continue
+            total += n
+        if total:
+            log.info("deleted %d stale UDP conntrack entries", total)
+        return total
+
+
+__all__ = ["ConntrackCleaner", "Flow", "deleted_count", "stale_flows", "udp_ports"]

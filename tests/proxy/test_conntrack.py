@@ -1,0 +1,145 @@
+"""Which UDP flows are stale (pure), and the real conntrack CLI deleting them."""
+import asyncio
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
+from clusterdns.proxy.apply import Result, SubprocessRunner
+from clusterdns.proxy.conntrack import ConntrackCleaner, Flow, deleted_count, stale_flows
+from clusterdns.state import state_from_records
+
+
+def dns_service(node_port=0, extra_ips=(), proto="UDP"):
+    return Service("kube-system", "kube-dns", "NodePort" if node_port else "ClusterIP", ("172.20.0.10",),
+                   ports=(ServicePort("dns", proto, 53, node_port), ServicePort("dns-tcp", "TCP", 53)),
+                   external_ips=tuple(extra_ips))
+
+
+def dns_slice(*ips, ready=True, proto="UDP", name="kube-dns-1"):
+    return EndpointSlice("kube-system", name, "kube-dns", "IPv4",
+                         tuple(Endpoint((ip,), ready=ready) for ip in ips),
+                         (EndpointPort("dns", proto, 53), EndpointPort("dns-tcp", "TCP", 53)))
+
+
+def st(*records):
+    kinds = {Service: "Service", EndpointSlice: "EndpointSlice"}
+    return state_from_records([(kinds[type(r)], r) for r in records])
+
+
+def test_removed_endpoint():
+    old = st(dns_service(), dns_slice("10.1.0.1", "10.1.0.2"))
+    new = st(dns_service(), dns_slice("10.1.0.2"))
+    assert stale_flows(old, new) == [Flow(53, "172.20.0.10", "10.1.0.1")]
+
+
+def test_removed_endpoint_with_nodeport_and_external_ip():
+    svc = dns_service(node_port=30053, extra_ips=("192.0.2.7",))
+    old = st(svc, dns_slice("10.1.0.1", "10.1.0.2"))
+    new = st(svc, dns_slice("10.1.0.2"))
+    assert set(stale_flows(old, new)) == {
+        Flow(53, "172.20.0.10", "10.1.0.1"), Flow(53, "192.0.2.7", "10.1.0.1"), Flow(30053, None, "10.1.0.1")}
+
+
+def test_endpoint_turning_unready_is_stale():
+    old = st(dns_service(), dns_slice("10.1.0.1"), dns_slice("10.1.0.2", name="b"))
+    new = st(dns_service(), dns_slice("10.1.0.1", ready=False), dns_slice("10.1.0.2", name="b"))
+    assert stale_flows(old, new) == [Flow(53, "172.20.0.10", "10.1.0.1")]
+
+
+def test_first_endpoints_clear_unnatted_flows():
+    old = st(dns_service(node_port=30053))
+    new = st(dns_service(node_port=30053), dns_slice("10.1.0.1"))
+    assert set(stale_flows(old, new)) == {Flow(53, "172.20.0.10", None), Flow(30053, None, None)}
+
+
+def test_new_service_with_endpoints_counts_as_first_endpoints():
+    assert stale_flows(st(), st(dns_service(), dns_slice("10.1.0.1"))) == [Flow(53, "172.20.0.10", None)]
+
+
+def test_deleted_service_clears_its_flows():
+    old = st(dns_service(), dns_slice("10.1.0.1"))
+    assert stale_flows(old, st()) == [Flow(53, "172.20.0.10", "10.1.0.1")]
+
+
+def test_tcp_needs_nothing():
+    old = st(dns_service(proto="TCP"), dns_slice("10.1.0.1", "10.1.0.2", proto="TCP"))
+    new = st(dns_service(proto="TCP"), dns_slice("10.1.0.2", proto="TCP"))
+    assert stale_flows(old, new) == []
+
+
+def test_unchanged_and_added_endpoints_need_nothing():
+    old = st(dns_service(), dns_slice("10.1.0.1"))
+    new = st(dns_service(), dns_slice("10.1.0.1", "10.1.0.3"))
+    assert stale_flows(old, new) == []
+    assert stale_flows(old, old) == []
+
+
+def test_keys_restrict_the_comparison():
+    old = st(dns_service(), dns_slice("10.1.0.1", "10.1.0.2"))
+    new = st(dns_service(), dns_slice("10.1.0.2"))
+    assert stale_flows(old, new, keys=[("x", "y")]) == []
+    assert stale_flows(old, new, keys=[("kube-system", "kube-dns")]) != []
+
+
+def test_ipv6_family_ignores_ipv4():
+    old = st(dns_service(), dns_slice("10.1.0.1"))
+    assert stale_flows(old, st(), family=6) == []
+
+
+def test_argv_and_exit_codes():
+    assert Flow(53, "172.20.0.10", "10.1.0.1").argv() == [
+        "conntrack", "-D", "-f", "ipv4", "-p", "udp", "--orig-dst", "172.20.0.10",
+        "--orig-port-dst", "53", "--reply-src", "10.1.0.1"]
+    assert Flow(30053).argv(6) == ["conntrack", "-D", "-f", "ipv6", "-p", "udp", "--orig-port-dst", "30053"]
+    none = Result(("conntrack",), 1, "", "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.\n")
+    assert deleted_count(none) == 0
+    assert deleted_count(Result(("conntrack",), 0, "", "... 3 flow entries have been deleted.")) == 3
+    assert deleted_count(Result(("conntrack",), 1, "", "conntrack: Operation not permitted")) is None
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("conntrack") is None,
+                                reason="needs root and the conntrack CLI")
+
+
+@pytest.fixture
+def netns():
+    name = f"cdn-ct-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name])
+
+
+def _insert(ns, client_port, backend):
+    subprocess.run(["ip", "netns", "exec", ns, "conntrack", "-I", "-p", "udp",
+                    "-s", "10.244.0.9", "-d", "172.20.0.10", "--sport", str(client_port), "--dport", "53",
+                    "-r", backend, "-q", "10.244.0.9", "--reply-port-src", "53",
+                    "--reply-port-dst", str(client_port), "-t", "60", "-u", "SEEN_REPLY"],
+                   check=True, capture_output=True)
+
+
+def _listing(ns):
+    out = subprocess.run(["ip", "netns", "exec", ns, "conntrack", "-L", "-p", "udp"],
+                         capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+@needs_root
+def test_real_cli_deletes_only_the_stale_flows(netns):
+    _insert(netns, 40001, "10.1.0.1")
+    _insert(netns, 40002, "10.1.0.2")
+    assert len(_listing(netns)) == 2
+    old = st(dns_service(), dns_slice("10.1.0.1", "10.1.0.2"))
+    new = st(dns_service(), dns_slice("10.1.0.2"))
+    cleaner = ConntrackCleaner(SubprocessRunner(["ip", "netns", "exec", netns]))
+    assert asyncio.run(cleaner.clear(stale_flows(old, new))) == 1
+    left = _listing(netns)
+    assert len(left) == 1 and "src=10.1.0.2" in left[0], left
+    # Nothing left to delete: exit status 1 from the CLI, not a failure.
+    assert asyncio.run(cleaner.clear(stale_flows(old, new))) == 0
+    assert cleaner.failures == 0
