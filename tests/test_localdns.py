@@ -1,0 +1,198 @@
+"""Local DNS addresses: the device, NOTRACK/ACCEPT rules, repair and cleanup.
+
+The namespace tests build a node namespace and a pod namespace joined by a
+veth pair, hold 172.20.0.10 on the node, and send real DNS-port traffic from
+the pod while kube-proxy-style DNAT and REJECT rules for that address exist.
+"""
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from clusterdns import localdns
+from clusterdns.proxy.apply import SubprocessRunner
+
+LOCAL_IP = "172.20.0.10"
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iptables") is None,
+    reason="needs root, iproute2 and iptables")
+
+
+def test_render_rules_ipv4():
+    text = localdns.render_rules([LOCAL_IP, "169.254.20.10"], 4)
+    lines = text.splitlines()
+    assert lines[0] == "*raw" and ":CLUSTERDNS-NOTRACK - [0:0]" in lines
+    assert "*filter" in lines and ":CLUSTERDNS-LOCAL - [0:0]" in lines
+    notrack = [x for x in lines if x.endswith("-j NOTRACK")]
+    accept = [x for x in lines if x.endswith("-j ACCEPT")]
+    # 2 addresses x udp/tcp x (to port 53, from port 53)
+    assert len(notrack) == 8 and len(accept) == 8
+    assert any(f"-d {LOCAL_IP}/32 -p udp -m udp --dport 53" in x for x in notrack)
+    assert any(f"-s {LOCAL_IP}/32 -p tcp -m tcp --sport 53" in x for x in notrack)
+    assert text.count("COMMIT") == 2
+
+
+def test_render_rules_ipv6_and_split():
+    fam = localdns.split_families(["fd00::a", LOCAL_IP])
+    assert fam == {4: [LOCAL_IP], 6: ["fd00::a"]}
+    assert "-d fd00::a/128 -p udp" in localdns.render_rules(fam[6], 6)
+
+
+def _sh(*argv, check=True, ns=None, **kw):
+    if ns:
+        argv = ("ip", "netns", "exec", ns) + argv
+    return subprocess.run(argv, check=check, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture
+def topology():
+    """node <-> pod over a veth; the pod routes everything through the node."""
+    tag = f"{os.getpid() % 100000}"
+    node, pod = f"cdl-node-{tag}", f"cdl-pod-{tag}"
+    created = []
+    try:
+        for ns in (node, pod):
+            _sh("ip", "netns", "add", ns)
+            created.append(ns)
+        _sh("ip", "link", "add", "veth-pod", "netns", node, "type", "veth", "peer", "name", "eth0", "netns", pod)
+        _sh("ip", "addr", "add", "10.161.0.1/24", "dev", "veth-pod", ns=node)
+        _sh("ip", "link", "set", "veth-pod", "up", ns=node)
+        _sh("ip", "link", "set", "lo", "up", ns=node)
+        _sh("ip", "addr", "add", "10.161.0.5/24", "dev", "eth0", ns=pod)
+        _sh("ip", "link", "set", "eth0", "up", ns=pod)
+        _sh("ip", "link", "set", "lo", "up", ns=pod)
+        _sh("ip", "route", "add", "default", "via", "10.161.0.1", ns=pod)
+        yield node, pod
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+RESPONDER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((sys.argv[1], 53))
+    print("ready", flush=True)
+    while True:
+        data, peer = s.recvfrom(512)
+        s.sendto(b"answer:" + data, peer)
+""")
+
+CLIENT = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2)
+    try:
+        s.sendto(b"q", (sys.argv[1], 53))
+        print(s.recvfrom(512)[0].decode())
+    except OSError as exc:
+        print("error:", exc.__class__.__name__)
+""")
+
+
+def _kube_proxy_like_rules(node):
+    """What a proxier writes for a kube-dns ClusterIP with no endpoints: REJECT for NEW
+    connections (filter) and a DNAT elsewhere (nat), both jumped before ours would be."""
+    rules = textwrap.dedent(f"""
+        *filter
+        :KUBE-SERVICES - [0:0]
+        -I INPUT 1 -m conntrack --ctstate NEW -j KUBE-SERVICES
+        -I OUTPUT 1 -m conntrack --ctstate NEW -j KUBE-SERVICES
+        -A KUBE-SERVICES -d {LOCAL_IP}/32 -p udp -m udp --dport 53 -j REJECT --reject-with icmp-port-unreachable
+        COMMIT
+        *nat
+        :KUBE-SERVICES - [0:0]
+        -I PREROUTING 1 -j KUBE-SERVICES
+        -I OUTPUT 1 -j KUBE-SERVICES
+        -A KUBE-SERVICES -d {LOCAL_IP}/32 -p udp -m udp --dport 53 -j DNAT --to-destination 10.99.99.99:53
+        COMMIT
+        """)
+    subprocess.run(["ip", "netns", "exec", node, "iptables-restore", "--noflush"], input=rules,
+                   text=True, check=True, capture_output=True)
+
+
+def _query(pod, ip=LOCAL_IP):
+    return _sh(sys.executable, "-c", CLIENT, ip, ns=pod).stdout.strip()
+
+
+@needs_root
+def test_local_ip_answered_on_node_despite_reject_and_dnat(topology):
+    node, pod = topology
+    runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
+    ldns = localdns.LocalDNS([LOCAL_IP], runner)
+    _kube_proxy_like_rules(node)
+    # Without our rules the proxier's REJECT wins: the pod gets port-unreachable.
+    _sh("ip", "link", "add", "nodelocaldns", "type", "bridge", ns=node)
+    _sh("ip", "link", "set", "nodelocaldns", "up", ns=node)
+    _sh("ip", "addr", "add", f"{LOCAL_IP}/32", "dev", "nodelocaldns", ns=node)
+    responder = subprocess.Popen(["ip", "netns", "exec", node, sys.executable, "-c", RESPONDER, LOCAL_IP],
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert responder.stdout.readline().strip() == "ready"
+        assert _query(pod).startswith("error")
+        asyncio.run(ldns.setup())
+        assert ldns.link_type in ("dummy", "bridge")
+        assert _query(pod) == "answer:q"
+        # From the node itself (OUTPUT path) too.
+        assert _sh(sys.executable, "-c", CLIENT, LOCAL_IP, ns=node).stdout.strip() == "answer:q"
+        # Untracked: no conntrack entry for the DNS flow, so no DNAT either.
+        if shutil.which("conntrack"):
+            ct = _sh("conntrack", "-L", "-d", LOCAL_IP, check=False, ns=node)
+            assert "dport=53" not in ct.stdout
+        # Our jumps are first in every chain they hook.
+        for table, chain in (("raw", "PREROUTING"), ("raw", "OUTPUT"), ("filter", "INPUT"), ("filter", "OUTPUT")):
+            first = [x for x in _sh("iptables", "-t", table, "-S", chain, ns=node).stdout.splitlines()
+                     if x.startswith("-A")][0]
+            assert first.endswith("-j CLUSTERDNS-NOTRACK") or first.endswith("-j CLUSTERDNS-LOCAL"), first
+    finally:
+        responder.kill()
+        responder.wait()
+
+
+@needs_root
+def test_check_repairs_and_cleanup_removes(topology):
+    node, _ = topology
+    runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
+    ldns = localdns.LocalDNS([LOCAL_IP, "169.254.20.10"], runner)
+    asyncio.run(ldns.setup())
+    addrs = _sh("ip", "-o", "addr", "show", "dev", "nodelocaldns", ns=node).stdout
+    assert LOCAL_IP in addrs and "169.254.20.10" in addrs
+    assert asyncio.run(ldns.check()) is False          # all in place: nothing to do
+    assert asyncio.run(ldns.setup()) is None          # idempotent
+    assert _sh("iptables", "-t", "raw", "-S", "PREROUTING", ns=node).stdout.count("CLUSTERDNS-NOTRACK") == 1
+
+    # Someone inserts a jump above ours (a proxier's full sync does) and flushes our chain.
+    _sh("iptables", "-N", "OTHER", ns=node)
+    _sh("iptables", "-I", "INPUT", "1", "-j", "OTHER", ns=node)
+    _sh("iptables", "-t", "raw", "-F", "CLUSTERDNS-NOTRACK", ns=node)
+    _sh("ip", "addr", "del", "169.254.20.10/32", "dev", "nodelocaldns", ns=node)
+    assert asyncio.run(ldns.check()) is True
+    first = [x for x in _sh("iptables", "-S", "INPUT", ns=node).stdout.splitlines() if x.startswith("-A")][0]
+    assert first.endswith("-j CLUSTERDNS-LOCAL")
+    assert _sh("iptables", "-t", "raw", "-S", "CLUSTERDNS-NOTRACK", ns=node).stdout.count("NOTRACK") >= 8
+    assert "169.254.20.10" in _sh("ip", "-o", "addr", "show", "dev", "nodelocaldns", ns=node).stdout
+    assert asyncio.run(ldns.check()) is False
+
+    removed = asyncio.run(localdns.cleanup(runner))
+    assert "device nodelocaldns" in removed
+    assert _sh("ip", "link", "show", "nodelocaldns", check=False, ns=node).returncode != 0
+    for table, chain in (("raw", "CLUSTERDNS-NOTRACK"), ("filter", "CLUSTERDNS-LOCAL")):
+        assert _sh("iptables", "-t", table, "-S", chain, check=False, ns=node).returncode != 0
+    saved = _sh("iptables-save", ns=node).stdout
+    assert "CLUSTERDNS" not in saved and "-j OTHER" in saved   # others' rules untouched
+    assert asyncio.run(localdns.cleanup(runner)) == []          # nothing left: a no-op
+
+
+@needs_root
+def test_bad_address_is_a_clear_error(topology):
+    node, _ = topology
+    runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
+    with pytest.raises(ValueError):
+        localdns.LocalDNS(["not-an-ip"], runner)
