@@ -1,0 +1,137 @@
+"""The cache in front of the upstream forwarders (CoreDNS's `cache` plugin).
+
+Only forwarded answers come here: names in the served zones are answered from
+the current state and never cached (a new Service resolves at once).
+
+An entry keeps the upstream reply as wire bytes and the duration it may be
+served: the smallest TTL of the reply (the SOA's for a negative answer),
+clamped to [min_ttl, max_ttl]. On a hit every record's TTL is rewritten to
+what is left, so TTLs count down. Expired entries stay (within the size
+bound) for `stale_for` seconds so they can be served when every upstream is
+down (serve-stale), with TTL 0.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import cachetools
+import dnslib
+
+from . import metrics
+
+NOERROR, NXDOMAIN = 0, 3
+DEFAULT_STALE = 3600.0   # CoreDNS serve_stale's default duration
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    wire: bytes          # the upstream reply as received
+    stored: float        # clock time it was stored
+    duration: float      # seconds it is fresh (clamped TTL)
+    negative: bool
+
+
+Key = tuple[str, int, int, bool, bool]
+
+
+def cache_key(request: dnslib.DNSRecord) -> Key | None:
+    """lower-cased qname, qtype, qclass, DO, CD (CoreDNS's key); None if uncacheable."""
+    if len(request.questions) != 1:
+        return None
+    q = request.questions[0]
+    do = False
+    for rr in request.ar:
+        if rr.rtype == dnslib.QTYPE.OPT:
+            do = bool(rr.edns_do)
+    return (str(q.qname).lower(), q.qtype, q.qclass, do, bool(request.header.cd))
+
+
+def _ttl_of(reply: dnslib.DNSRecord) -> tuple[int, bool] | None:
+    """The reply's cacheable TTL and whether it is negative; None when not cacheable."""
+    h = reply.header
+    if h.tc or h.rcode not in (NOERROR, NXDOMAIN):
+        return None
+    if h.rcode == NOERROR and reply.rr:
+        ttls = [rr.ttl for rr in reply.rr + reply.auth + reply.ar if rr.rtype != dnslib.QTYPE.OPT]
+        return min(ttls), False
+    # NXDOMAIN, or NODATA: cacheable only with the SOA that says for how long (RFC 2308).
+    for rr in reply.auth:
+        if rr.rtype == dnslib.QTYPE.SOA:
+            return min(rr.ttl, rr.rdata.times[-1]), True
+    return None
+
+
+class Cache:
+    """Bounded, per-entry-TTL cache of forwarded replies."""
+
+    def __init__(self, size: int = 9984, min_ttl: int = 5, max_ttl: int = 30,
+                 stale_for: float = DEFAULT_STALE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.min_ttl, self.max_ttl, self.stale_for = min_ttl, max_ttl, stale_for
+        self.clock = clock
+        cache = self
+
+        class _Store(cachetools.TLRUCache):
+            def popitem(self):  # called only to make room: an eviction
+                item = super().popitem()
+                metrics.cache_evictions.labels("denial" if item[1].negative else "success").inc()
+                return item
+
+        # An entry lives for its fresh time plus the stale window.
+        self._store = _Store(maxsize=max(1, size),
+                             ttu=lambda _k, e, now: now + e.duration + cache.stale_for,
+                             timer=clock)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def counts(self) -> tuple[int, int]:
+        """(positive, negative) entries, for the entries gauge."""
+        neg = sum(1 for e in list(self._store.values()) if e.negative)
+        return len(self._store) - neg, neg
+
+    def put(self, key: Key | None, reply: dnslib.DNSRecord, wire: bytes) -> bool:
+        if key is None:
+            return False
+        found = _ttl_of(reply)
+        if found is None:
+            return False
+        ttl, negative = found
+        duration = float(max(self.min_ttl, min(self.max_ttl, ttl)))
+        self._store[key] = Entry(bytes(wire), self.clock(), duration, negative)
+        return True
+
+    def get(self, key: Key | None, request: dnslib.DNSRecord, stale: bool = False) -> dnslib.DNSRecord | None:
+        """A reply for the request from the cache, or None.
+
+        `stale=False`: only fresh entries (a hit counts toward the metrics).
+        `stale=True`: also entries past their TTL within the stale window,
+        served with TTL 0 (used when every upstream failed).
+        """
+        if key is None:
+            return None
+        entry = self._store.get(key)
+        kind = "denial" if entry is not None and entry.negative else "success"
+        if not stale:
+            metrics.cache_requests.inc()
+        left = -1.0 if entry is None else entry.duration - (self.clock() - entry.stored)
+        if entry is None or (left <= 0 and not stale):
+            if not stale:
+                metrics.cache_misses.inc()
+            return None
+        if stale:
+            metrics.cache_served_stale.inc()
+        else:
+            metrics.cache_hits.labels(kind).inc()
+        reply = dnslib.DNSRecord.parse(entry.wire)
+        ttl = max(0, int(left)) if left > 0 else 0
+        for rr in reply.rr + reply.auth + reply.ar:
+            if rr.rtype != dnslib.QTYPE.OPT:
+                rr.ttl = ttl
+        reply.header.id = request.header.id
+        reply.questions = list(request.questions)   # the asker's spelling
+        return reply
+
+    def clear(self) -> None:
+        self._store.clear()

@@ -1,0 +1,347 @@
+"""The forwarder and its cache against real upstream servers on loopback.
+
+FakeUpstream is a small dnspython server (UDP and TCP) the tests start on an
+ephemeral port: it answers from a table, can be slow, can truncate UDP
+replies, and counts what it received per transport.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+
+import dns.message
+import dns.rcode
+import dns.rrset
+import dnslib
+import pytest
+
+from clusterdns.config import load
+from clusterdns.dns.cache import Cache, cache_key
+from clusterdns.dns.forward import Forward, upstreams_from
+
+SOA = "example. 60 IN SOA ns.example. host.example. 1 7200 1800 86400 30"
+
+
+class FakeUpstream:
+    """A real DNS server on 127.0.0.1 answering from `records` (name -> list of rrset texts)."""
+
+    def __init__(self, records: dict[str, list[str]] | None = None, *, delay: float = 0.0,
+                 truncate_udp: bool = False, rcode: int | None = None) -> None:
+        self.records = records or {}
+        self.delay, self.truncate_udp, self.rcode = delay, truncate_udp, rcode
+        self.received: list[tuple[str, str, int]] = []   # (proto, qname, qtype)
+        self.port = 0
+        self._udp = None
+        self._tcp = None
+
+    def answer(self, wire: bytes, proto: str) -> bytes | None:
+        try:
+            q = dns.message.from_wire(wire)
+        except Exception:
+            return None
+        question = q.question[0]
+        self.received.append((proto, question.name.to_text().lower(), question.rdtype))
+        r = dns.message.make_response(q)
+        if self.rcode is not None:
+            r.set_rcode(self.rcode)
+            return r.to_wire()
+        texts = self.records.get(question.name.to_text().lower())
+        if texts is None:
+            r.set_rcode(dns.rcode.NXDOMAIN)
+            r.authority.append(dns.rrset.from_text(*SOA.split(" ", 3)[:3], *SOA.split(" ", 4)[3:]))
+            return r.to_wire()
+        for text in texts:
+            name, ttl, cls, rtype, rdata = text.split(" ", 4)
+            if dns.rdatatype.from_text(rtype) == question.rdtype:
+                r.answer.append(dns.rrset.from_text(name, int(ttl), cls, rtype, rdata))
+        if not r.answer:
+            r.authority.append(dns.rrset.from_text(*SOA.split(" ", 3)[:3], *SOA.split(" ", 4)[3:]))
+        if proto == "udp" and self.truncate_udp:
+            r.answer = []
+            r.flags |= dns.flags.TC
+        return r.to_wire()
+
+    async def start(self, port: int = 0) -> "FakeUpstream":
+        loop = asyncio.get_running_loop()
+        up = self
+
+        class Proto(asyncio.DatagramProtocol):
+            def connection_made(self, transport):
+                self.transport = transport
+
+            def datagram_received(self, data, addr):
+                async def reply():
+                    if up.delay:
+                        await asyncio.sleep(up.delay)
+                    out = up.answer(data, "udp")
+                    if out is not None:
+                        self.transport.sendto(out, addr)
+                loop.create_task(reply())
+
+        self._udp, _ = await loop.create_datagram_endpoint(Proto, local_addr=("127.0.0.1", port))
+        self.port = self._udp.get_extra_info("sockname")[1]
+
+        async def handle(reader, writer):
+            try:
+                while True:
+                    size = struct.unpack("!H", await reader.readexactly(2))[0]
+                    data = await reader.readexactly(size)
+                    if up.delay:
+                        await asyncio.sleep(up.delay)
+                    out = up.answer(data, "tcp")
+                    if out is not None:
+                        writer.write(struct.pack("!H", len(out)) + out)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        self._tcp = await asyncio.start_server(handle, "127.0.0.1", self.port)
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        if self._udp:
+            self._udp.close()
+        if self._tcp:
+            self._tcp.close()
+            await self._tcp.wait_closed()
+
+
+def closed_port() -> int:
+    """A loopback UDP/TCP port nobody listens on (queries get ICMP/RST)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def q(name: str, qtype: str = "A", **kw) -> dnslib.DNSRecord:
+    return dnslib.DNSRecord.question(name, qtype, **kw)
+
+
+RECORDS = {
+    "www.example.": ["www.example. 300 IN A 192.0.2.1", "www.example. 300 IN AAAA 2001:db8::1"],
+    "short.example.": ["short.example. 1 IN A 192.0.2.2"],
+    "big.example.": [f"big.example. 60 IN A 198.51.100.{i}" for i in range(1, 61)],
+}
+
+
+@pytest.fixture
+async def upstream():
+    up = await FakeUpstream(RECORDS).start()
+    yield up
+    await up.stop()
+
+
+async def test_forwards_udp_and_echoes_the_request(upstream):
+    fwd = Forward([upstream.address], Cache())
+    req = q("WWW.Example", "A")
+    reply = await fwd.query(req, tcp=False)
+    assert reply.header.id == req.header.id
+    assert str(reply.q.qname) == "WWW.Example."          # the asker's spelling
+    assert [str(rr.rdata) for rr in reply.rr] == ["192.0.2.1"]
+    assert upstream.received == [("udp", "www.example.", 1)]
+
+
+async def test_tcp_client_goes_to_upstream_over_tcp(upstream):
+    fwd = Forward([upstream.address], None)
+    reply = await fwd.query(q("www.example", "AAAA"), tcp=True)
+    assert [str(rr.rdata) for rr in reply.rr] == ["2001:db8::1"]
+    assert upstream.received == [("tcp", "www.example.", 28)]
+
+
+async def test_cache_answers_second_query_with_ttl_counted_down(upstream):
+    now = [1000.0]
+    fwd = Forward([upstream.address], Cache(min_ttl=5, max_ttl=30, clock=lambda: now[0]))
+    first = await fwd.query(q("www.example"), tcp=False)
+    assert first.rr[0].ttl == 300            # passed through as received
+    now[0] += 10
+    second = await fwd.query(q("www.example"), tcp=False)
+    assert len(upstream.received) == 1       # served from the cache
+    assert second.rr[0].ttl == 20            # clamped to 30, then 10 s elapsed
+    assert str(second.rr[0].rdata) == "192.0.2.1"
+    now[0] += 21                             # expired: asks again
+    await fwd.query(q("www.example"), tcp=False)
+    assert len(upstream.received) == 2
+
+
+async def test_min_ttl_and_negative_caching(upstream):
+    now = [0.0]
+    fwd = Forward([upstream.address], Cache(min_ttl=5, max_ttl=30, clock=lambda: now[0]))
+    await fwd.query(q("short.example"), tcp=False)     # TTL 1 raised to 5
+    now[0] += 4
+    hit = await fwd.query(q("short.example"), tcp=False)
+    assert len(upstream.received) == 1 and hit.rr[0].ttl == 1
+    nx = await fwd.query(q("missing.example"), tcp=False)
+    assert nx.header.rcode == dnslib.RCODE.NXDOMAIN
+    nx2 = await fwd.query(q("Missing.Example"), tcp=False)   # key is case-insensitive
+    assert nx2.header.rcode == dnslib.RCODE.NXDOMAIN and str(nx2.q.qname) == "Missing.Example."
+    assert [r[1] for r in upstream.received].count("missing.example.") == 1
+    assert nx2.auth[0].rtype == dnslib.QTYPE.SOA
+    # NODATA is negative too: cached by the SOA (min(60, 30) -> clamped to 30).
+    await fwd.query(q("www.example", "TXT"), tcp=False)
+    await fwd.query(q("www.example", "TXT"), tcp=False)
+    assert [r[2] for r in upstream.received].count(16) == 1
+
+
+async def test_servfail_is_not_cached():
+    up = await FakeUpstream(rcode=dns.rcode.SERVFAIL).start()
+    try:
+        fwd = Forward([up.address], Cache())
+        for _ in range(2):
+            reply = await fwd.query(q("www.example"), tcp=False)
+            assert reply.header.rcode == dnslib.RCODE.SERVFAIL   # passed through
+        assert len(up.received) == 2
+    finally:
+        await up.stop()
+
+
+async def test_truncated_udp_reply_is_retried_over_tcp():
+    up = await FakeUpstream(RECORDS, truncate_udp=True).start()
+    try:
+        fwd = Forward([up.address], Cache())
+        reply = await fwd.query(q("big.example"), tcp=False)
+        assert not reply.header.tc and len(reply.rr) == 60
+        assert [r[0] for r in up.received] == ["udp", "tcp"]
+        again = await fwd.query(q("big.example"), tcp=False)       # whole answer cached
+        assert len(again.rr) == 60 and len(up.received) == 2
+    finally:
+        await up.stop()
+
+
+async def test_failover_from_a_down_upstream(upstream):
+    fwd = Forward([("127.0.0.1", closed_port()), upstream.address], None, max_fails=2,
+                  health_interval=30)
+    # Random order: the down one comes first about every other query (2^-30 odds of never twice).
+    for _ in range(30):
+        reply = await fwd.query(q("www.example"), tcp=False)
+        assert str(reply.rr[0].rdata) == "192.0.2.1"
+    down = fwd.upstreams[0]
+    assert not fwd.healthy(down)               # marked after max_fails
+    assert len(upstream.received) == 30
+    await fwd.close()
+
+
+async def test_all_down_is_none_within_bounded_time():
+    fwd = Forward([("127.0.0.1", closed_port()), ("127.0.0.1", closed_port())], None)
+    started = time.monotonic()
+    assert await fwd.query(q("www.example"), tcp=False) is None
+    assert await fwd.query(q("www.example"), tcp=True) is None
+    assert time.monotonic() - started < 1.0    # refused at once, no waiting
+    await fwd.close()
+
+
+async def test_slow_upstream_times_out_then_the_other_answers(upstream):
+    slow = await FakeUpstream(RECORDS, delay=3.0).start()
+    try:
+        fwd = Forward([slow.address, upstream.address], None)   # default 2 s read timeout
+        # The good one is marked unhealthy, so the slow one is tried first.
+        fwd.upstreams[1].fails = fwd.max_fails
+        started = time.monotonic()
+        reply = await fwd.query(q("www.example"), tcp=False)
+        took = time.monotonic() - started
+        assert str(reply.rr[0].rdata) == "192.0.2.1"
+        assert 1.9 < took < 3.0                   # one 2 s read timeout, then failover
+    finally:
+        await slow.stop()
+
+
+async def test_everything_slow_gives_up_within_overall_timeout():
+    slow = await FakeUpstream(RECORDS, delay=10).start()
+    try:
+        fwd = Forward([slow.address] * 3, None, read_timeout=2.0, overall_timeout=5.0)
+        started = time.monotonic()
+        assert await fwd.query(q("www.example"), tcp=False) is None
+        assert 4.9 < time.monotonic() - started < 5.5
+    finally:
+        await slow.stop()
+        await fwd.close()
+
+
+async def test_serve_stale_when_every_upstream_is_down():
+    now = [0.0]
+    up = await FakeUpstream(RECORDS).start()
+    port = up.port
+    fwd = Forward([up.address], Cache(clock=lambda: now[0]), health_interval=0.05)
+    fresh = await fwd.query(q("www.example"), tcp=False)
+    assert fresh.rr[0].ttl == 300
+    await up.stop()
+    now[0] += 100                              # past the 30 s cap: expired, still stale-servable
+    stale = await fwd.query(q("www.example"), tcp=False)
+    assert str(stale.rr[0].rdata) == "192.0.2.1" and stale.rr[0].ttl == 0
+    # The upstream returns: the health probe notices, fresh answers again.
+    up2 = await FakeUpstream(RECORDS).start(port)
+    try:
+        for _ in range(40):
+            if fwd.healthy(fwd.upstreams[0]):
+                break
+            await asyncio.sleep(0.05)
+        assert fwd.healthy(fwd.upstreams[0])
+        reply = await fwd.query(q("www.example"), tcp=False)
+        assert reply.rr[0].ttl == 300 and len(up2.received) >= 1
+    finally:
+        await up2.stop()
+        await fwd.close()
+
+
+async def test_mismatched_reply_is_rejected():
+    """An upstream answering another question is a failure, not an answer."""
+    up = await FakeUpstream(RECORDS).start()
+    orig = up.answer
+
+    def wrong(wire, proto):
+        m = dns.message.from_wire(wire)
+        m.question[0].name = dns.name.from_text("other.example.")
+        return orig(m.to_wire(), proto)
+    up.answer = wrong
+    try:
+        fwd = Forward([up.address], None, read_timeout=0.3, overall_timeout=0.6)
+        assert await fwd.query(q("www.example"), tcp=True) is None
+    finally:
+        await up.stop()
+
+
+def test_cache_key_and_policy():
+    plain = cache_key(q("A.Example"))
+    assert plain == ("a.example.", 1, 1, False, False)
+    with_do = q("a.example")
+    with_do.add_ar(dnslib.EDNS0(udp_len=1232, flags="do"))
+    assert cache_key(with_do)[3] is True
+    cd = q("a.example")
+    cd.header.cd = 1
+    assert cache_key(cd)[4] is True
+
+    cache = Cache(size=2)
+    for i in range(3):
+        r = q(f"n{i}.example").reply()
+        r.add_answer(dnslib.RR(f"n{i}.example", rdata=dnslib.A("192.0.2.1"), ttl=60))
+        assert cache.put(cache_key(r), r, r.pack())
+    assert len(cache) == 2                        # bounded; the oldest evicted
+    tc = q("tc.example").reply()
+    tc.header.tc = 1
+    assert not cache.put(cache_key(tc), tc, tc.pack())
+    refused = q("r.example").reply()
+    refused.header.rcode = dnslib.RCODE.REFUSED
+    assert not cache.put(cache_key(refused), refused, refused.pack())
+    nx_no_soa = q("nx.example").reply()
+    nx_no_soa.header.rcode = dnslib.RCODE.NXDOMAIN
+    assert not cache.put(cache_key(nx_no_soa), nx_no_soa, nx_no_soa.pack())
+
+
+def test_upstreams_from_flags_and_resolv_conf(tmp_path):
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 10.0.0.1\nnameserver fe80::1%eth0\nnameserver bogus\n")
+    cfg = load(["dns", "--manifest", "x", "--resolv-conf", str(conf)])
+    assert upstreams_from(cfg) == [("10.0.0.1", 53), ("fe80::1", 53)]
+    cfg = load(["dns", "--manifest", "x", "--upstream", "127.0.0.1:5300", "--upstream", "[::1]:53"])
+    assert upstreams_from(cfg) == [("127.0.0.1", 5300), ("::1", 53)]
+    cfg = load(["dns", "--manifest", "x", "--resolv-conf", str(tmp_path / "missing")])
+    assert upstreams_from(cfg) == []
+    assert Forward.from_config(load(["dns", "--manifest", "x", "--no-upstream"])) is None
