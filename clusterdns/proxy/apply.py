@@ -161,6 +161,20 @@ class IptablesExecutor:
             return ""
         return _check(res).stdout
 
+    async def save_all(self) -> str:
+        """iptables-save of every table (cleanup reads the jumps from it)."""
+        await self.detect_backend()
+        return _check(await self.runner.run([self._tool("save")])).stdout
+
+    async def insert(self, table: str, chain: str, spec: str) -> None:
+        """`iptables -I CHAIN spec` unless `-C` finds the rule already there."""
+        import shlex
+        await self.detect_backend()
+        args = shlex.split(spec)
+        res = await self.runner.run([self._tool(""), "-w", "5", "-t", table, "-C", chain, *args])
+        if res.returncode != 0:
+            _check(await self.runner.run([self._tool(""), "-w", "5", "-t", table, "-I", chain, *args]))
+
     async def existing_chains(self, tables: Iterable[str] = ("nat", "filter")) -> dict[str, set[str]]:
         """The KUBE-* chains in the kernel now, per table."""
         out: dict[str, set[str]] = {}

@@ -1,0 +1,465 @@
+"""The Proxier: keeps the kernel's Service rules equal to the watched state.
+
+It subscribes to the StateStore, remembers which Services changed since the
+last successful sync, and lets a bounded-frequency runner decide when to sync:
+a full sync at start, every --sync-period, after a failure and when the canary
+shows our tables were flushed; partial syncs (only the changed Services'
+chains, or only changed nftables elements) otherwise, no more often than
+--min-sync-period. Nothing is written before Services and EndpointSlices have
+both been listed once. A failed apply leaves the previous rules (restores are
+atomic), is logged with the tool's error, counted, and retried as a full sync.
+After a successful sync: stale UDP conntrack entries are deleted, health is
+updated, and listeners learn which state version is now in the kernel.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import sys
+import time
+from typing import Callable, Iterable, TextIO
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from ..config import Config
+from ..metrics import REGISTRY
+from ..state import ClusterState, Delta, StateStore
+from .apply import (
+    CANARY, ApplyError, CommandRunner, IptablesExecutor, IpvsExecutor, NftExecutor, Result,
+    SubprocessRunner, parse_save,
+)
+from .conntrack import ConntrackCleaner, stale_flows
+from .healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
+from .runner import BoundedFrequencyRunner
+
+log = logging.getLogger(__name__)
+
+FULL_SYNC_PERIOD = 3600.0
+LARGE_CLUSTER_ENDPOINTS = 1000   # kube-proxy's threshold for rationing iptables-save
+
+# ------------------------------------------------------------------ metrics (kube-proxy's names)
+_BUCKETS = tuple(0.001 * 2 ** i for i in range(15))
+SYNC_DURATION = Histogram("kubeproxy_sync_proxy_rules_duration_seconds",
+                          "SyncProxyRules latency in seconds", buckets=_BUCKETS, registry=REGISTRY)
+SYNC_FULL_DURATION = Histogram("kubeproxy_sync_full_proxy_rules_duration_seconds",
+                               "SyncProxyRules latency in seconds for full resyncs",
+                               buckets=_BUCKETS, registry=REGISTRY)
+SYNC_PARTIAL_DURATION = Histogram("kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                                  "SyncProxyRules latency in seconds for partial resyncs",
+                                  buckets=_BUCKETS, registry=REGISTRY)
+LAST_SYNC = Gauge("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                  "The last time proxy rules were successfully synced", registry=REGISTRY)
+LAST_QUEUED = Gauge("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                    "The last time a sync of proxy rules was queued", registry=REGISTRY)
+NETWORK_PROGRAMMING = Histogram(
+    "kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds",
+    buckets=tuple([0.25 * i for i in range(1, 20)] + [5.0 * i for i in range(1, 13)]
+                  + [60.0 * i for i in range(2, 6)]), registry=REGISTRY)
+IPTABLES_TOTAL = Gauge("kubeproxy_sync_proxy_rules_iptables_total",
+                       "Total number of iptables rules owned by kube-proxy", ["table"], registry=REGISTRY)
+IPTABLES_LAST = Gauge("kubeproxy_sync_proxy_rules_iptables_last",
+                      "Number of iptables rules written by kube-proxy in last sync", ["table"], registry=REGISTRY)
+PARTIAL_FAILURES = Counter("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                           "Cumulative proxy iptables partial restore failures", registry=REGISTRY)
+RESTORE_FAILURES = Counter("kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                           "Cumulative proxy rules restore failures (any mode)", registry=REGISTRY)
+NO_LOCAL_ENDPOINTS = Gauge("kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                           "Number of services with a Local traffic policy and no endpoints",
+                           ["traffic_policy"], registry=REGISTRY)
+ENDPOINT_CHANGES = Counter("kubeproxy_sync_proxy_rules_endpoint_changes_total",
+                           "Cumulative proxy rules Endpoint changes", registry=REGISTRY)
+SERVICE_CHANGES = Counter("kubeproxy_sync_proxy_rules_service_changes_total",
+                          "Cumulative proxy rules Service changes", registry=REGISTRY)
+ENDPOINT_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+                                 "Pending proxy rules Endpoint changes", registry=REGISTRY)
+SERVICE_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_service_changes_pending",
+                                "Pending proxy rules Service changes", registry=REGISTRY)
+
+
+def node_families(cfg: Config) -> list[int]:
+    """The families to program: those of --node-ip (both on a dual-stack node), else IPv4."""
+    fams = []
+    for ip in cfg.node_ips:
+        v = ipaddress.ip_address(ip).version
+        if v not in fams:
+            fams.append(v)
+    return sorted(fams) or [4]
+
+
+class PrintingRunner:
+    """The runner of --dry-run and the demo: prints what would be applied instead of applying.
+
+    Reads (iptables-save, nft list) answer as an empty kernel would."""
+
+    WRITES = ("restore", "nft", "ipvsadm-restore", "ipset")
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out
+
+    async def run(self, argv: Iterable[str], stdin: str | None = None) -> Result:
+        argv = tuple(argv)
+        out = self.out or sys.stdout
+        if stdin is not None and not argv[0].startswith("conntrack"):
+            out.write(f"# {' '.join(argv)}\n{stdin}")
+            if not stdin.endswith("\n"):
+                out.write("\n")
+            out.flush()
+        return Result(argv, 0)
+
+
+# ------------------------------------------------------------------ per-mode backends
+
+class SyncOutcome:
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: dict[str, int] | None = None) -> None:
+        self.counts = counts or {}
+
+
+class IptablesBackend:
+    mode = "iptables"
+
+    def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
+        self.cfg, self.family, self.applying = cfg, family, applying
+        self.exe = IptablesExecutor(runner, family)
+        self.large = False
+        self.last_cleanup = -1e18
+
+    async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
+        from . import iptables
+        full = changed is None
+        existing = None
+        missing: list[tuple[str, str, str]] = []
+        all_missing = True
+        # iptables-save is slow on big rule sets: in large clusters look for
+        # stale chains at most once per sync period (kube-proxy does the same).
+        if self.applying and (full or not self.large or now - self.last_cleanup >= self.cfg.sync_period):
+            save = "".join([await self.exe.save("nat"), await self.exe.save("filter")])
+            existing = {t: c for t, c in parse_save(save).items() if t in ("nat", "filter")}
+            self.last_cleanup = now
+            if full:
+                present = set(save.splitlines())
+                wanted = iptables.jump_rules(self.cfg, self.family)
+                missing = [j for j in wanted if f"-A {j[1]} {j[2]}" not in present]
+                all_missing = len(missing) == len(wanted)
+        # The text inserts the jumps from the built-in chains only when none is
+        # there yet; a few missing ones are put back one by one (iptables -C/-I style).
+        rs = iptables.render(state, self.cfg, self.family, only=changed, existing=existing,
+                             jumps=full and all_missing)
+        await self.exe.restore(rs.text)
+        if full and missing and not all_missing:
+            for table, chain, spec in missing:
+                await self.exe.insert(table, chain, spec)
+        self.large = rs.large_cluster
+        return SyncOutcome(dict(rs.counts))
+
+    async def canary_ok(self) -> bool:
+        return await self.exe.canary_exists()
+
+
+class NftablesBackend:
+    mode = "nftables"
+
+    def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
+        self.cfg, self.family = cfg, family
+        self.exe = NftExecutor(runner, family)
+        self.previous = None   # NftState of the last applied transaction
+
+    async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
+        from . import nftables
+        previous = None if changed is None else self.previous
+        rs = nftables.render(state, self.cfg, self.family, previous=previous)
+        try:
+            await self.exe.apply(rs.text)
+        except ApplyError:
+            self.previous = None
+            raise
+        self.previous = rs.state
+        return SyncOutcome()
+
+    async def canary_ok(self) -> bool:
+        return await self.exe.table_exists()
+
+
+class IpvsBackend:
+    mode = "ipvs"
+
+    def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
+        self.cfg, self.family = cfg, family
+        self.exe = IpvsExecutor(runner, family)
+
+    async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
+        from . import ipvs
+        await self.exe.apply(ipvs.render(state, self.cfg, self.family))
+        return SyncOutcome()
+
+    async def canary_ok(self) -> bool:
+        return True
+
+
+BACKENDS = {"iptables": IptablesBackend, "nftables": NftablesBackend, "ipvs": IpvsBackend}
+
+
+# ------------------------------------------------------------------ the proxier
+
+class Proxier:
+    """Programs the kernel from the StateStore; see the module docstring.
+
+    executor: the CommandRunner every tool runs through (default: real
+    subprocesses when applying, a printer for --dry-run / the demo).
+    family: program only this family (default: the families of --node-ip)."""
+
+    def __init__(self, cfg: Config, store: StateStore, *, executor: CommandRunner | None = None,
+                 family: int | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], "asyncio.Future"] = asyncio.sleep,
+                 out: TextIO | None = None, health_host: str | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock
+        self.monotonic = monotonic
+        self.applying = cfg.applying
+        runner = executor or (SubprocessRunner() if self.applying else PrintingRunner(out))
+        self.families = [family] if family else node_families(cfg)
+        self.backends = {}
+        if cfg.proxy_mode in BACKENDS:
+            self.backends = {f: BACKENDS[cfg.proxy_mode](runner, cfg, f, applying=self.applying)
+                             for f in self.families}
+        self.conntrack = {f: ConntrackCleaner(runner, f) for f in self.families} if self.applying else {}
+        self.health = ProxierHealth(2 * cfg.sync_period, clock)
+        self.service_health = ServiceHealthServers(health_host) if self.applying and self.backends else None
+        self.applied_version = 0
+        self.applied_state = ClusterState()
+        self.syncs = 0
+        self.failures = 0
+        self.last_error: str = ""
+        self._listeners: list[Callable[[int], None]] = []
+        self._pending: set[tuple[str, str]] = set()
+        self._pending_endpoints = 0
+        self._pending_services = 0
+        self._triggers: dict[tuple[str, str], list[float]] = {}
+        self._need_full = True
+        self._last_full = -1e18
+        self._last_canary = monotonic()
+        self._no_local: dict[tuple[str, str], tuple[int, int]] = {}
+        self._synced_event = asyncio.Event()
+        self._runner = BoundedFrequencyRunner("sync-proxy-rules", self._sync, cfg.min_sync_period,
+                                              cfg.sync_period, burst=2, clock=monotonic, sleep=sleep)
+        self._task: asyncio.Task | None = None
+        store.subscribe(self._on_change)
+        if store.current.is_synced("Service", "EndpointSlice"):
+            self._pending |= set(store.current.services)
+            self.health.queued_update()
+
+    # -- public API
+    def add_listener(self, fn: Callable[[int], None]) -> None:
+        """fn(version) runs after each successful sync with the state version now in the kernel."""
+        self._listeners.append(fn)
+
+    def request_sync(self) -> None:
+        LAST_QUEUED.set(self.clock())
+        self.health.queued_update()
+        self._runner.run()
+
+    async def run(self) -> None:
+        """Sync until stop(). The first sync runs as soon as the state is synced."""
+        if self.store.current.is_synced("Service", "EndpointSlice"):
+            self._runner.run()
+        self._task = asyncio.current_task()
+        try:
+            await self._runner.loop()
+        finally:
+            if self.service_health:
+                await self.service_health.close()
+
+    async def stop(self) -> None:
+        self._runner.stop()
+
+    async def wait_synced(self, version: int = 0, timeout: float | None = None) -> bool:
+        """Wait until rules for `version` (or any version) are in; False on timeout."""
+        async def _wait():
+            while self.syncs == 0 or self.applied_version < version:
+                self._synced_event.clear()
+                await self._synced_event.wait()
+        try:
+            await asyncio.wait_for(_wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- state changes
+    def _on_change(self, old: ClusterState, new: ClusterState, delta: Delta) -> None:
+        for key in delta.services:
+            if old.services.get(key) != new.services.get(key):
+                SERVICE_CHANGES.inc()
+                self._pending_services += 1
+            else:
+                ENDPOINT_CHANGES.inc()
+                self._pending_endpoints += 1
+            if "EndpointSlice" in delta.kinds:
+                for sl in new.slices_for(*key):
+                    if sl.trigger_time and old.slices.get(sl.key) != sl:
+                        self._triggers.setdefault(key, []).append(sl.trigger_time)
+        SERVICE_CHANGES_PENDING.set(self._pending_services)
+        ENDPOINT_CHANGES_PENDING.set(self._pending_endpoints)
+        self._pending |= delta.services
+        if "Node" in delta.kinds:
+            self._need_full = True   # node labels decide topology: rebuild everything
+        became_synced = new.is_synced("Service", "EndpointSlice") and not old.is_synced("Service", "EndpointSlice")
+        if delta.services or "Node" in delta.kinds or became_synced:
+            self.request_sync()
+
+    # -- one sync
+    async def _sync(self) -> None:
+        state = self.store.current
+        if not state.is_synced("Service", "EndpointSlice"):
+            log.debug("not syncing: Services and EndpointSlices not listed yet")
+            return
+        now = self.monotonic()
+        changed, self._pending = self._pending, set()
+        triggers, self._triggers = self._triggers, {}
+        full = (self._need_full or now - self._last_full >= self.cfg.sync_period * 0.999
+                or now - self._last_full >= FULL_SYNC_PERIOD)
+        if not full and self.applying and now - self._last_canary >= self.cfg.sync_period / 2:
+            self._last_canary = now
+            for fam, backend in self.backends.items():
+                if not await backend.canary_ok():
+                    log.warning("%s canary missing (IPv%d): tables were flushed; full sync",
+                                backend.__class__.mode, fam)
+                    full = True
+                    break
+        start = time.perf_counter()
+        outcomes = {}
+        try:
+            for fam, backend in self.backends.items():
+                outcomes[fam] = await backend.sync(state, None if full else changed, now)
+        except ApplyError as exc:
+            self.failures += 1
+            self.last_error = str(exc)
+            RESTORE_FAILURES.inc()
+            if not full:
+                PARTIAL_FAILURES.inc()
+            log.error("%s sync failed, keeping the previous rules: %s", "full" if full else "partial", exc)
+            self._pending |= changed
+            for k, v in triggers.items():
+                self._triggers.setdefault(k, []).extend(v)
+            self._need_full = True
+            self._runner.retry_after(self.cfg.sync_period)
+            return
+        elapsed = time.perf_counter() - start
+        SYNC_DURATION.observe(elapsed)
+        (SYNC_FULL_DURATION if full else SYNC_PARTIAL_DURATION).observe(elapsed)
+        if full:
+            self._need_full = False
+            self._last_full = now
+            self._last_canary = now
+        previous, self.applied_state = self.applied_state, state
+        self.applied_version = state.version
+        self.syncs += 1
+        self._pending_services = self._pending_endpoints = 0
+        SERVICE_CHANGES_PENDING.set(0)
+        ENDPOINT_CHANGES_PENDING.set(0)
+        wall = self.clock()
+        LAST_SYNC.set(wall)
+        for times in triggers.values():
+            for t in times:
+                if wall >= t:
+                    NETWORK_PROGRAMMING.observe(wall - t)
+        self._record_counts(outcomes, full)
+        self._update_no_local(state, None if full else changed)
+        if not self._pending:
+            self.health.updated()
+        log.debug("%s sync of state version %d took %.3fs (%d changed services)",
+                  "full" if full else "partial", state.version, elapsed, len(changed))
+        for fam, cleaner in self.conntrack.items():
+            flows = stale_flows(previous, state, fam, keys=changed)
+            if flows:
+                await cleaner.clear(flows)
+        if self.service_health:
+            await self.service_health.sync(local_endpoint_counts(state, self.cfg.node_name))
+        for fn in list(self._listeners):
+            try:
+                fn(state.version)
+            except Exception:
+                log.exception("sync listener failed")
+        self._synced_event.set()
+
+    def _record_counts(self, outcomes: dict, full: bool) -> None:
+        totals: dict[str, int] = {}
+        for outcome in outcomes.values():
+            for table, n in outcome.counts.items():
+                totals[table] = totals.get(table, 0) + n
+        for table, n in totals.items():
+            IPTABLES_LAST.labels(table).set(n)
+            if full:
+                IPTABLES_TOTAL.labels(table).set(n)
+
+    def _update_no_local(self, state: ClusterState, changed: set | None) -> None:
+        """Services with a Local policy whose endpoints are all on other nodes."""
+        keys = state.services.keys() if changed is None else changed
+        if changed is None:
+            self._no_local = {}
+        for key in keys:
+            svc = state.services.get(key)
+            self._no_local.pop(key, None)
+            if svc is None or not (svc.internal_local or svc.external_local) or svc.headless:
+                continue
+            any_ep = local = False
+            for sl in state.slices_for(*key):
+                for ep in sl.endpoints:
+                    if ep.ready or (ep.serving and ep.terminating):
+                        any_ep = True
+                        local = local or ep.node_name == self.cfg.node_name
+            if any_ep and not local:
+                external = svc.external_local and bool(
+                    svc.external_ips or svc.lb_ips or any(p.node_port for p in svc.ports))
+                self._no_local[key] = (int(svc.internal_local), int(external))
+        NO_LOCAL_ENDPOINTS.labels("internal").set(sum(v[0] for v in self._no_local.values()))
+        NO_LOCAL_ENDPOINTS.labels("external").set(sum(v[1] for v in self._no_local.values()))
+
+
+# ------------------------------------------------------------------ cleanup
+
+async def cleanup(cfg: Config, runner: CommandRunner | None = None) -> list[str]:
+    """Remove every rule, chain, table, set and device clusterdns may have installed,
+    in all modes and both families, touching nothing else. Returns what was removed."""
+    from . import iptables
+    runner = runner or SubprocessRunner()
+    done: list[str] = []
+    for family in (4, 6):
+        for backend in ("nft", "legacy"):
+            exe = IptablesExecutor(runner, family, backend)
+            if not isinstance(runner, SubprocessRunner) or _have(exe._tool("save")):
+                try:
+                    save = await exe.save_all()
+                except ApplyError as exc:
+                    log.debug("cannot read %s: %s", exe._tool("save"), exc)
+                    continue
+                existing = parse_save(save)
+                # The kubelet owns its canary; never ours to delete.
+                if not any(c != "KUBE-KUBELET-CANARY" for cs in existing.values() for c in cs):
+                    continue
+                text = iptables.cleanup_text(existing, family, save_text=save)
+                if text.strip():
+                    await exe.restore(text)
+                done.append(f"iptables-{backend} IPv{family}")
+        nft = NftExecutor(runner, family)
+        if await nft.table_exists():
+            from . import nftables
+            await nft.apply(nftables.cleanup_text(family))
+            done.append(f"nftables IPv{family}")
+    ipvs = IpvsExecutor(runner, 4)
+    res = await runner.run(["ip", "link", "show", "kube-ipvs0"])
+    if res.returncode == 0:
+        await ipvs.clear()
+        done.append("ipvs")
+    return done
+
+
+def _have(tool: str) -> bool:
+    import shutil
+    return shutil.which(tool) is not None
+
+
+__all__ = ["Proxier", "PrintingRunner", "cleanup", "node_families"]
