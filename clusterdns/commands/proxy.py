@@ -1,4 +1,4 @@
-"""`clusterdns proxy`: the proxier alone (state source + Proxier + health + metrics).
+"""`clusterdns proxy`: the proxier alone (state source + Proxier + /healthz, /livez, /metrics).
 
 `clusterdns proxy --cleanup` removes everything clusterdns installed and exits.
 SIGTERM and SIGINT stop it cleanly; the rules stay in place, as kube-proxy's do,
@@ -10,9 +10,10 @@ import asyncio
 import logging
 import signal
 
-from ..config import Config, parse_hostport
+from ..config import Config
+from ..health import HealthServer
 from ..proxy.apply import ApplyError
-from ..proxy.healthcheck import start_http
+from ..proxy.healthcheck import aiohttp_handler
 from ..proxy.proxier import Proxier, cleanup
 from ..sources.loader import make_source
 from ..state import StateStore
@@ -24,12 +25,11 @@ async def _serve(cfg: Config) -> int:
     store = StateStore()
     source = make_source(cfg, store)   # a broken manifest raises here: exit 2
     proxier = Proxier(cfg, store)
-    servers = []
-    if cfg.health_listen and cfg.health_listen != "none":
-        host, port = parse_hostport(cfg.health_listen, 10256)
-        servers.append(await start_http(host, port, proxier.health.respond))
-    if cfg.metrics_listen and cfg.metrics_listen != "none":
-        servers.append(await _start_metrics(cfg.metrics_listen))
+    health = HealthServer(cfg)
+    health.add_route("/healthz", aiohttp_handler(proxier.health.respond))
+    health.add_route("/livez", aiohttp_handler(proxier.health.respond))
+    health.add_ready_check("proxy", lambda: proxier.syncs > 0)
+    await health.start()   # an address in use raises OSError: exit 1 with the reason
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -49,24 +49,9 @@ async def _serve(cfg: Config) -> int:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     waiter.cancel()
-    for s in servers:
-        s.close()
+    await health.stop()
     log.info("proxy stopped (state version %d in the kernel)", proxier.applied_version)
     return rc
-
-
-async def _start_metrics(listen: str):
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    from ..metrics import REGISTRY
-
-    def respond(path: str):
-        if path != "/metrics":
-            return 404, {"Content-Type": "text/plain"}, b"404 page not found\n"
-        return 200, {"Content-Type": CONTENT_TYPE_LATEST}, generate_latest(REGISTRY)
-
-    host, port = parse_hostport(listen, 9153)
-    return await start_http(host, port, respond)
 
 
 def run(cfg: Config) -> int:
@@ -78,4 +63,8 @@ def run(cfg: Config) -> int:
             return 1
         log.info("cleanup: removed %s", ", ".join(removed) or "nothing (no clusterdns rules found)")
         return 0
-    return asyncio.run(_serve(cfg))
+    try:
+        return asyncio.run(_serve(cfg))
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1

@@ -57,6 +57,16 @@ async def start_http(host: str | None, port: int, handler: Handler) -> asyncio.A
                                       reuse_address=True)
 
 
+def aiohttp_handler(respond: Handler):
+    """Mount a `respond(path)` function on the shared aiohttp server (clusterdns.health)."""
+    from aiohttp import web
+
+    async def handler(request: "web.Request") -> "web.Response":
+        status, headers, body = respond(request.path)
+        return web.Response(status=status, body=body, headers=headers)
+    return handler
+
+
 # ------------------------------------------------------------- per service
 
 def local_endpoint_counts(state: ClusterState, node_name: str,
@@ -170,4 +180,4 @@ class ProxierHealth:
         return (200 if self.healthy() else 503), headers, json.dumps(body).encode()
 
 
-__all__ = ["ProxierHealth", "ServiceHealthServers", "local_endpoint_counts", "start_http"]
+__all__ = ["ProxierHealth", "ServiceHealthServers", "aiohttp_handler", "local_endpoint_counts", "start_http"]
