@@ -1,0 +1,202 @@
+"""The Kubernetes source: list+watch of the cluster into the StateStore.
+
+Built on the official client's asyncio half (`kubernetes.aio`): its
+configuration loaders (kubeconfig, in-cluster service account with token
+rotation, exec plugins) and its aiohttp-based ApiClient, with our own
+reflector per resource (see reflector.py) reading raw JSON.
+
+Resources: Services, EndpointSlices and Namespaces always; Pods only for
+`--pods verified` or autopath; the own Node (by field selector) when a node
+name is known. Kinds not watched are marked synced (empty), as the manifest
+source does, so "synced" means the same thing whatever the source.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+from typing import Any, Coroutine
+
+import aiohttp
+
+from ..config import Config
+from ..model import KINDS
+from ..state import StateStore
+from .reflector import (
+    ENDPOINTSLICES, NAMESPACES, NODES, PODS, SERVICES, ApiError, EventBatcher, Forbidden,
+    Options, Reflector, Resource, Transport, convert_items, forbidden_hint, list_objects,
+)
+
+log = logging.getLogger(__name__)
+
+IN_CLUSTER = "in-cluster"
+
+
+def resources_for(cfg: Config) -> list[Resource]:
+    """What this configuration needs watched."""
+    out = [SERVICES, ENDPOINTSLICES, NAMESPACES]
+    if cfg.pods == "verified" or cfg.autopath:
+        out.append(PODS)
+    if cfg.node_name:
+        out.append(Resource(NODES.name, NODES.kind, NODES.path,
+                            field_selector=f"metadata.name={cfg.node_name}"))
+    return out
+
+
+def _usage_error(message: str) -> Exception:
+    from ..cli import UsageError   # imported late: cli imports the sources
+    return UsageError(message)
+
+
+def _run_sync(coro: Coroutine) -> Any:
+    """Run a coroutine to completion from sync code, even when a loop runs in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def _load_configuration(kubeconfig: str) -> tuple[Any, Any]:
+    """(client Configuration, kubeconfig loader or None); raises UsageError."""
+    from kubernetes.aio import client, config
+    conf = client.Configuration()
+    if kubeconfig == IN_CLUSTER:
+        try:
+            config.load_incluster_config(client_configuration=conf)
+        except Exception as exc:   # ConfigException, OSError: all mean the same to the user
+            raise _usage_error(f"in-cluster config: {_one_line(exc)} (set --kubeconfig, or run in a "
+                               "pod with a service account and KUBERNETES_SERVICE_HOST/PORT)") from None
+        loader = None
+    else:
+        for path in kubeconfig.split(os.pathsep):
+            if not os.access(path, os.R_OK):
+                reason = "no such file" if not os.path.exists(path) else "not readable"
+                raise _usage_error(f"kubeconfig {path}: {reason}")
+        try:
+            loader = await config.load_kube_config(config_file=kubeconfig, client_configuration=conf,
+                                                   persist_config=False)
+        except Exception as exc:   # yaml errors, ConfigException, exec plugin failures
+            raise _usage_error(f"kubeconfig {kubeconfig}: {_one_line(exc)}") from None
+    # No hidden retries: the reflector owns retrying, with backoff and metrics.
+    conf.retries = None
+    conf.client_go_retries = False
+    return conf, loader
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]
+
+
+def _transport(conf: Any) -> Transport:
+    from kubernetes.aio import client
+    return Transport(client.ApiClient(configuration=conf))
+
+
+async def _token_refresher(loader: Any, conf: Any) -> None:
+    """Keep exec-plugin and GCP tokens fresh (in-cluster tokens refresh by themselves)."""
+    if loader is None or not (getattr(loader, "provider", None) == "gcp" or "exec" in loader._user):
+        return
+    from kubernetes.aio import config
+    while True:
+        try:
+            await config.refresh_token(loader, conf)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("refreshing the API token failed: %s; retrying in 60s", _one_line(exc))
+            await asyncio.sleep(60)
+
+
+class KubeSource:
+    """List+watch every needed resource into the store until cancelled.
+
+    `run()` never raises for API trouble: it logs, counts and retries with
+    backoff while the store keeps serving the last state. An unusable
+    kubeconfig is a UsageError from the constructor (exit code 2).
+    """
+
+    def __init__(self, cfg: Config, store: StateStore, **options: Any) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.options = Options(**options)
+        self.resources = resources_for(cfg)
+        self.synced = asyncio.Event()
+        self.reflectors: dict[str, Reflector] = {}
+        self._conf, self._loader = _run_sync(_load_configuration(cfg.kubeconfig))
+        self._started = False
+
+    @property
+    def host(self) -> str:
+        return str(self._conf.host)
+
+    def not_synced(self) -> list[str]:
+        """Resources whose first list has not completed yet."""
+        return [r.name for r in self.resources
+                if r.name not in self.reflectors or not self.reflectors[r.name].synced.is_set()]
+
+    async def run(self) -> None:
+        transport = _transport(self._conf)
+        batcher = EventBatcher(self.store, self.options.batch_window)
+        self.reflectors = {r.name: Reflector(transport, r, batcher, self.options) for r in self.resources}
+        watched = {r.kind for r in self.resources}
+        unwatched = [k for k in KINDS if k not in watched]
+        if unwatched:
+            self.store.mark_synced(*unwatched)
+        log.info("watching %s at %s", ", ".join(r.name for r in self.resources), self.host)
+        tasks = [asyncio.create_task(ref.run(), name=f"reflector-{name}")
+                 for name, ref in self.reflectors.items()]
+        tasks.append(asyncio.create_task(self._wait_synced(), name="kube-synced"))
+        tasks.append(asyncio.create_task(_token_refresher(self._loader, self._conf), name="kube-token"))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            batcher.flush()
+            await transport.close()
+
+    async def _wait_synced(self) -> None:
+        await asyncio.gather(*(ref.synced.wait() for ref in self.reflectors.values()))
+        log.info("all resources synced (state version %d)", self.store.current.version)
+        self.synced.set()
+
+
+def list_once(cfg: Config, store: StateStore, **options: Any) -> None:
+    """One LIST of each resource, published as one version (for `rules`, `trace`).
+
+    An unreachable or refusing API server is a UsageError: a one-shot command
+    has no last state to fall back on.
+    """
+    opts = Options(**options)
+
+    async def main() -> None:
+        conf, _ = await _load_configuration(cfg.kubeconfig)
+        transport = _transport(conf)
+        results = {}
+        try:
+            for res in resources_for(cfg):
+                try:
+                    items, _rv = await list_objects(transport, res, opts)
+                except Forbidden as exc:
+                    raise _usage_error(f"{forbidden_hint(res, 'list')} ({exc})") from None
+                except ApiError as exc:
+                    raise _usage_error(f"cannot list {res.name} from {conf.host}: {exc}") from None
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+                    raise _usage_error(f"cannot list {res.name} from {conf.host}: "
+                                       f"{_one_line(exc) or type(exc).__name__}") from None
+                results[res.kind] = convert_items(res, items)
+        finally:
+            await transport.close()
+        with store.batch():
+            for kind in KINDS:
+                store.replace(kind, results.get(kind, []))
+
+    _run_sync(main())
+
+
+__all__ = ["IN_CLUSTER", "KubeSource", "list_once", "resources_for"]

@@ -1,0 +1,467 @@
+"""One list+watch loop per resource, feeding the StateStore with slim records.
+
+The loop every correct Kubernetes reflector runs (client-go's Reflector,
+CoreDNS's informers): LIST (paginated) -> replace the kind in the store (the
+store diffs, so a re-list emits deletes only for vanished objects) -> WATCH
+from the list's resourceVersion with bookmarks -> apply events, advancing the
+version on every event and BOOKMARK -> re-watch when the stream ends -> re-list
+only on 410 Gone. Errors back off with jitter; the last state stays in the
+store while the API server is away.
+
+HTTP goes through the official client's ApiClient (kubeconfig, TLS, token
+refresh) but raw: responses are read as JSON lines and converted straight into
+records, never into the client's pydantic models.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+from prometheus_client import Counter, Gauge, Histogram
+
+from .. import metrics
+from ..state import StateStore
+from .objects import InvalidObject, convert, object_name
+
+log = logging.getLogger(__name__)
+
+lists_total = Counter(
+    "clusterdns_kube_lists_total", "Complete LISTs of a resource.", ["resource"],
+    registry=metrics.REGISTRY)
+watch_events_total = Counter(
+    "clusterdns_kube_watch_events_total", "Watch events received.", ["resource", "type"],
+    registry=metrics.REGISTRY)
+relists_total = Counter(
+    "clusterdns_kube_relists_total", "LISTs after the first one, by cause.", ["resource", "reason"],
+    registry=metrics.REGISTRY)
+errors_total = Counter(
+    "clusterdns_kube_errors_total", "Failed list or watch requests, by cause.", ["resource", "reason"],
+    registry=metrics.REGISTRY)
+synced_gauge = Gauge(
+    "clusterdns_kube_synced", "1 once the first LIST of a resource completed.", ["resource"],
+    registry=metrics.REGISTRY)
+event_lag = Histogram(
+    "clusterdns_kube_watch_event_apply_seconds",
+    "Time from reading a watch event to its publication in the state.", ["resource"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    registry=metrics.REGISTRY)
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A cluster-wide collection the agent lists and watches."""
+    name: str                 # plural, as in the URL and in metric labels
+    kind: str                 # record kind in the StateStore
+    path: str
+    group: str = ""
+    field_selector: str = ""
+
+    @property
+    def qualified(self) -> str:
+        """The RBAC resource name: endpointslices.discovery.k8s.io."""
+        return f"{self.name}.{self.group}" if self.group else self.name
+
+
+SERVICES = Resource("services", "Service", "/api/v1/services")
+ENDPOINTSLICES = Resource("endpointslices", "EndpointSlice",
+                          "/apis/discovery.k8s.io/v1/endpointslices", "discovery.k8s.io")
+NAMESPACES = Resource("namespaces", "Namespace", "/api/v1/namespaces")
+PODS = Resource("pods", "Pod", "/api/v1/pods")
+NODES = Resource("nodes", "Node", "/api/v1/nodes")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Timeouts and pacing; tests shorten them."""
+    watch_timeout: int = 300            # server-side timeoutSeconds of a watch
+    read_timeout: float | None = None   # client read timeout; default watch_timeout + 30
+    connect_timeout: float = 10.0
+    list_timeout: float = 60.0          # a whole LIST page
+    page_size: int = 500
+    backoff_initial: float = 0.8        # client-go's values
+    backoff_max: float = 30.0
+    batch_window: float = 0.002         # watch events closer than this publish as one version
+
+    @property
+    def effective_read_timeout(self) -> float:
+        return self.read_timeout if self.read_timeout is not None else self.watch_timeout + 30.0
+
+
+class ApiError(Exception):
+    """A failed request or an ERROR watch event; `status` is the HTTP code (0 if unknown)."""
+
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class Expired(ApiError):
+    """410 Gone: the resourceVersion is older than the server's history; re-list."""
+
+
+class Forbidden(ApiError):
+    """403: RBAC does not allow the verb on the resource."""
+
+
+class Transport:
+    """GET requests through the official client's ApiClient, returning raw aiohttp responses."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.api = api_client
+
+    @property
+    def host(self) -> str:
+        return str(self.api.configuration.host)
+
+    async def get(self, path: str, params: dict[str, str], timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        method, url, headers, body, post = await self.api.param_serialize(
+            "GET", path, query_params=list(params.items()),
+            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])
+        # call_api hands _request_timeout to aiohttp unchanged, so a ClientTimeout
+        # with a read timeout (not a total one that would cut long watches) works.
+        rest = await self.api.call_api(method, url, headers, body, post,
+                                       _request_timeout=timeout, _preload_content=False)
+        return rest.response
+
+    async def close(self) -> None:
+        await self.api.close()
+
+
+async def _raise_for_status(resp: aiohttp.ClientResponse, res: Resource, verb: str) -> None:
+    if resp.status < 300:
+        return
+    try:
+        body = json.loads(await resp.read())
+        message = str(body.get("message", "")) if isinstance(body, dict) else ""
+        reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
+    except (ValueError, aiohttp.ClientError, asyncio.TimeoutError):
+        message, reason = "", ""
+    finally:
+        resp.release()
+    message = message or f"HTTP {resp.status} {resp.reason or ''}".strip()
+    if resp.status == 410:
+        raise Expired(410, message, reason)
+    if resp.status == 403:
+        raise Forbidden(403, message, reason)
+    raise ApiError(resp.status, message, reason)
+
+
+def forbidden_hint(res: Resource, verb: str) -> str:
+    scope = f"with fieldSelector {res.field_selector} " if res.field_selector else ""
+    return (f"forbidden: cannot {verb} {res.qualified} {scope}at the cluster scope: "
+            f"grant list,watch on {res.qualified}")
+
+
+def object_key(kind: str, obj: Any) -> Any:
+    """The store key from raw metadata (a deleted object need not be valid to be removed)."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        raise InvalidObject("metadata.name missing")
+    if kind in ("Namespace", "Node"):
+        return meta["name"]
+    ns = meta.get("namespace")
+    if not isinstance(ns, str) or not ns:
+        raise InvalidObject("metadata.namespace missing")
+    return (ns, meta["name"])
+
+
+class Backoff:
+    """Jittered exponential backoff: initial * 2^n, capped, each delay times 0.5..1.5."""
+
+    def __init__(self, initial: float, maximum: float, rand: Callable[[], float] = random.random) -> None:
+        self.initial, self.maximum, self._rand = initial, maximum, rand
+        self._next = initial
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+    def next(self) -> float:
+        delay = self._next * (0.5 + self._rand())
+        self._next = min(self._next * 2, self.maximum)
+        return min(delay, self.maximum)
+
+
+class EventBatcher:
+    """Applies watch events to the store, grouping those that arrive together into one version.
+
+    Events read from an already-buffered stream arrive in one loop pass; a flush
+    scheduled `window` seconds after the first pending event publishes them as
+    one version, and also merges a Service with its EndpointSlice arriving on
+    the other stream. A large burst flushes early.
+    """
+
+    def __init__(self, store: StateStore, window: float = 0.002, max_pending: int = 2000) -> None:
+        self.store = store
+        self.window = window
+        self.max_pending = max_pending
+        self._pending: list[tuple[str, str, Any, str, float]] = []
+        self._handle: asyncio.TimerHandle | None = None
+
+    def upsert(self, kind: str, record: Any, resource: str = "") -> None:
+        self._add(("upsert", kind, record, resource, time.monotonic()))
+
+    def delete(self, kind: str, key: Any, resource: str = "") -> None:
+        self._add(("delete", kind, key, resource, time.monotonic()))
+
+    def _add(self, op: tuple) -> None:
+        self._pending.append(op)
+        if len(self._pending) >= self.max_pending:
+            self.flush()
+        elif self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.window, self.flush)
+
+    def flush(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        ops, self._pending = self._pending, []
+        if not ops:
+            return
+        with self.store.batch():
+            for op, kind, arg, _, _ in ops:
+                if op == "upsert":
+                    self.store.upsert(kind, arg)
+                else:
+                    self.store.delete(kind, arg)
+        now = time.monotonic()
+        for _, _, _, resource, t in ops:
+            if resource:
+                event_lag.labels(resource).observe(now - t)
+
+    def replace(self, kind: str, records: list) -> None:
+        self.flush()   # earlier events of the old watch come first
+        self.store.replace(kind, records)
+
+
+async def list_objects(transport: Transport, res: Resource, opts: Options) -> tuple[list[dict], str]:
+    """A complete LIST, page by page; returns (raw items, resourceVersion)."""
+    timeout = aiohttp.ClientTimeout(total=opts.list_timeout, connect=opts.connect_timeout)
+    items: list[dict] = []
+    cont = ""
+    rv = ""
+    while True:
+        params = {"limit": str(opts.page_size)}
+        if cont:
+            params["continue"] = cont
+        if res.field_selector:
+            params["fieldSelector"] = res.field_selector
+        resp = await transport.get(res.path, params, timeout)
+        try:
+            await _raise_for_status(resp, res, "list")
+        except Expired:
+            if not cont:
+                raise
+            # The continue token expired mid-list: start a fresh consistent list.
+            log.info("%s: list continuation expired; listing again from the start", res.name)
+            items, cont = [], ""
+            continue
+        try:
+            body = json.loads(await resp.read())
+        finally:
+            resp.release()
+        if not isinstance(body, dict) or not isinstance(body.get("items", []), list):
+            raise ApiError(0, f"malformed {res.name} list response")
+        items.extend(body.get("items") or [])
+        meta = body.get("metadata") or {}
+        rv = str(meta.get("resourceVersion") or rv)
+        cont = str(meta.get("continue") or "")
+        if not cont:
+            return items, rv
+
+
+def convert_items(res: Resource, items: list[dict]) -> list:
+    """Records for valid items; invalid ones are skipped with a warning and a metric."""
+    records = []
+    for obj in items:
+        try:
+            records.append(convert(res.kind, obj))
+        except InvalidObject as exc:
+            log.warning("skipped %s %s: %s", res.kind, object_name(obj), exc)
+            metrics.invalid_objects.labels(res.kind).inc()
+    return records
+
+
+class Reflector:
+    """List+watch of one resource into the store, until cancelled."""
+
+    def __init__(self, transport: Transport, res: Resource, batcher: EventBatcher,
+                 opts: Options = Options()) -> None:
+        self.transport = transport
+        self.res = res
+        self.batcher = batcher
+        self.opts = opts
+        self.synced = asyncio.Event()
+        self.resource_version = ""
+        self.backoff = Backoff(opts.backoff_initial, opts.backoff_max)
+        self.last_error = ""
+        self._reported: str = ""
+        self._reported_at = 0.0
+        self._expired_streak = 0
+        self._r = res.name
+        synced_gauge.labels(self._r).set(0)
+
+    async def run(self) -> None:
+        need_list = True
+        reason = "initial"
+        while True:
+            delay = 0.0
+            try:
+                if need_list:
+                    if reason != "initial":
+                        relists_total.labels(self._r, reason).inc()
+                    await self.list()
+                    need_list = False
+                    self.backoff.reset()
+                if await self.watch():
+                    continue
+                # A watch that ended at once with nothing in it: do not spin.
+                delay = self.backoff.next()
+            except asyncio.CancelledError:
+                raise
+            except Expired as exc:
+                log.info("%s: %s; listing again", self._r, exc)
+                errors_total.labels(self._r, "expired").inc()
+                need_list, reason = True, "expired"
+                # An immediate re-list is the cure; back off only if it keeps happening.
+                self._expired_streak += 1
+                delay = 0.0 if self._expired_streak == 1 else self.backoff.next()
+                self.last_error = "expired"
+            except Exception as exc:
+                delay = self.backoff.next()
+                self._report(exc, "list" if need_list else "watch", delay)
+            if delay:
+                await asyncio.sleep(delay)
+
+    def _report(self, exc: Exception, verb: str, delay: float) -> None:
+        if isinstance(exc, Forbidden):
+            kind, text = "forbidden", f"{forbidden_hint(self.res, verb)} ({exc})"
+        elif isinstance(exc, ApiError):
+            kind = f"http_{exc.status}" if exc.status else "protocol"
+            text = f"{verb} failed: {exc}"
+        elif isinstance(exc, asyncio.TimeoutError):
+            kind, text = "timeout", f"{verb}: no data for {self.opts.effective_read_timeout:g}s"
+        elif isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+            kind, text = "disconnected", f"{verb} stream broken: {exc or type(exc).__name__}"
+        elif isinstance(exc, (aiohttp.ClientError, OSError)):
+            kind, text = "connection", f"{verb}: cannot reach {self.transport.host}: {exc}"
+        elif isinstance(exc, ValueError):
+            kind, text = "protocol", f"{verb}: malformed response: {exc}"
+        else:
+            kind, text = "internal", f"{verb}: {type(exc).__name__}: {exc}"
+            log.exception("%s: unexpected error", self._r)
+        errors_total.labels(self._r, kind).inc()
+        self.last_error = kind
+        level = logging.ERROR if kind == "forbidden" else logging.WARNING
+        # A broken stream is routine (the watch resumes where it was): say it quietly.
+        if kind in ("disconnected", "timeout"):
+            level = logging.INFO
+        # The same trouble again is repeated at its level once a minute, not per retry.
+        now = time.monotonic()
+        if text != self._reported or now - self._reported_at >= 60.0:
+            log.log(level, "%s: %s; retrying in %.1fs", self._r, text, delay)
+            self._reported, self._reported_at = text, now
+        else:
+            log.debug("%s: %s; retrying in %.1fs", self._r, text, delay)
+
+    async def list(self) -> None:
+        items, rv = await list_objects(self.transport, self.res, self.opts)
+        records = convert_items(self.res, items)
+        self.batcher.replace(self.res.kind, records)
+        self.resource_version = rv
+        lists_total.labels(self._r).inc()
+        if self.last_error:
+            log.info("%s: listed %d objects at version %s (recovered from %s)",
+                     self._r, len(records), rv, self.last_error)
+        else:
+            log.debug("%s: listed %d objects at version %s", self._r, len(records), rv)
+        self.last_error = ""
+        self._reported = ""
+        if not self.synced.is_set():
+            synced_gauge.labels(self._r).set(1)
+            self.synced.set()
+
+    async def watch(self) -> bool:
+        """One watch request; True if it was worth it (events came, or it lasted)."""
+        params = {"watch": "true", "allowWatchBookmarks": "true",
+                  "timeoutSeconds": str(int(self.opts.watch_timeout)),
+                  "resourceVersion": self.resource_version}
+        if self.res.field_selector:
+            params["fieldSelector"] = self.res.field_selector
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.opts.connect_timeout,
+                                        sock_connect=self.opts.connect_timeout,
+                                        sock_read=self.opts.effective_read_timeout)
+        started = time.monotonic()
+        resp = await self.transport.get(self.res.path, params, timeout)
+        await _raise_for_status(resp, self.res, "watch")
+        events = 0
+        try:
+            while True:
+                line = await resp.content.readline()
+                if not line:
+                    break   # the server ended the watch (timeoutSeconds): re-watch
+                line = line.strip()
+                if not line:
+                    continue
+                self._event(json.loads(line))
+                if events == 0:
+                    self.backoff.reset()
+                    self.last_error = ""
+                    self._expired_streak = 0
+                events += 1
+        finally:
+            resp.close()
+        return events > 0 or time.monotonic() - started >= 1.0
+
+    def _event(self, ev: Any) -> None:
+        if not isinstance(ev, dict) or not isinstance(ev.get("object"), dict):
+            raise ValueError("watch event without an object")
+        etype, obj = ev.get("type"), ev["object"]
+        if etype == "ERROR":
+            code = obj.get("code", 0)
+            msg = str(obj.get("message") or obj.get("reason") or "watch error")
+            if code == 410:
+                raise Expired(410, msg, str(obj.get("reason", "")))
+            if code == 403:
+                raise Forbidden(403, msg)
+            raise ApiError(code if isinstance(code, int) else 0, msg)
+        meta = obj.get("metadata")
+        rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        watch_events_total.labels(self._r, str(etype)).inc()
+        if etype == "BOOKMARK":
+            if rv:
+                self.resource_version = str(rv)
+            return
+        if etype not in ("ADDED", "MODIFIED", "DELETED"):
+            log.warning("%s: ignoring watch event of type %r", self._r, etype)
+            return
+        kind = self.res.kind
+        try:
+            key = object_key(kind, obj)
+        except InvalidObject as exc:
+            log.warning("%s: %s event for an object without a name: %s", self._r, etype, exc)
+            metrics.invalid_objects.labels(kind).inc()
+        else:
+            if etype == "DELETED":
+                self.batcher.delete(kind, key, self._r)
+            else:
+                try:
+                    self.batcher.upsert(kind, convert(kind, obj), self._r)
+                except InvalidObject as exc:
+                    # As a re-list would: an object we cannot use is absent.
+                    log.warning("skipped %s %s: %s", kind, object_name(obj), exc)
+                    metrics.invalid_objects.labels(kind).inc()
+                    self.batcher.delete(kind, key, self._r)
+        if rv:
+            self.resource_version = str(rv)
+
+
+__all__ = ["ApiError", "Backoff", "ENDPOINTSLICES", "EventBatcher", "Expired", "Forbidden",
+           "NAMESPACES", "NODES", "Options", "PODS", "Reflector", "Resource", "SERVICES",
+           "Transport", "convert_items", "forbidden_hint", "list_objects", "object_key"]

@@ -1,0 +1,630 @@
+"""A fake Kubernetes API server that speaks the real list/watch HTTP protocol.
+
+It runs an aiohttp server on 127.0.0.1 (ephemeral port) in a background thread
+with its own event loop, so synchronous and asynchronous tests can drive it the
+same way. It holds objects per resource with one resourceVersion counter (as
+etcd has) and a bounded event history per resource, and serves the
+cluster-wide collections the agent reads:
+
+    /api/v1/services  /api/v1/namespaces  /api/v1/pods  /api/v1/nodes
+    /apis/discovery.k8s.io/v1/endpointslices
+
+LIST honours limit/continue (a consistent snapshot per paginated list),
+fieldSelector and labelSelector (equality forms). WATCH (?watch=1) streams JSON
+lines (ADDED, MODIFIED, DELETED, BOOKMARK when allowWatchBookmarks), replays
+history after the requested resourceVersion, answers a resourceVersion older
+than its history with an ERROR event of code 410 in a 200 stream (as the watch
+cache does; or HTTP 410 with `gone_as_http=True`), and closes the stream after
+timeoutSeconds.
+
+Test controls: add/update/apply/delete objects, compact() the history (forces
+410 for older versions), bookmark(), drop_watches(), stall_watches() (a dead
+connection: nothing more is sent and the stream never ends), stop()/start()
+(an outage; the port is kept), forbid() a resource (403), fail_next() (5xx),
+and write_kubeconfig(). Every request is recorded in `requests`.
+
+    with FakeAPIServer() as api:
+        api.add(service_dict)
+        path = api.write_kubeconfig(tmp_path / "kubeconfig")
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import copy
+import itertools
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from aiohttp import web
+
+
+@dataclass(frozen=True)
+class Resource:
+    name: str            # plural, as in the URL
+    kind: str
+    api_version: str
+    path: str
+    namespaced: bool
+    group: str = ""
+
+
+RESOURCES: dict[str, Resource] = {r.name: r for r in (
+    Resource("services", "Service", "v1", "/api/v1/services", True),
+    Resource("endpointslices", "EndpointSlice", "discovery.k8s.io/v1",
+             "/apis/discovery.k8s.io/v1/endpointslices", True, "discovery.k8s.io"),
+    Resource("namespaces", "Namespace", "v1", "/api/v1/namespaces", False),
+    Resource("pods", "Pod", "v1", "/api/v1/pods", True),
+    Resource("nodes", "Node", "v1", "/api/v1/nodes", False),
+)}
+BY_KIND = {r.kind: r for r in RESOURCES.values()}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request the fake received."""
+    resource: str
+    verb: str                    # list | watch
+    params: dict[str, str]
+    authorization: str
+    time: float
+
+
+@dataclass
+class _Watcher:
+    resource: Resource
+    selectors: tuple[Callable[[dict], bool], ...]
+    bookmarks: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stalled: bool = False
+    request: web.Request | None = None
+
+
+_DROP = object()
+
+
+def _key(res: Resource, namespace: str | None, name: str) -> tuple[str, str]:
+    return ((namespace or "") if res.namespaced else "", name)
+
+
+def _obj_key(res: Resource, obj: dict) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return _key(res, meta.get("namespace"), meta.get("name", ""))
+
+
+def _status(code: int, reason: str, message: str, kind: str = "") -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "details": {"kind": kind} if kind else {},
+            "code": code}
+
+
+def _field_getter(path: str) -> Callable[[dict], str]:
+    parts = path.split(".")
+
+    def get(obj: dict) -> str:
+        cur: Any = obj
+        for p in parts:
+            cur = cur.get(p) if isinstance(cur, dict) else None
+        return "" if cur is None else str(cur)
+    return get
+
+
+def _parse_field_selector(text: str) -> list[Callable[[dict], bool]]:
+    out = []
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            g = _field_getter(k.strip())
+            out.append(lambda o, g=g, v=v.strip(): g(o) != v)
+        else:
+            k, v = term.split("==", 1) if "==" in term else term.split("=", 1)
+            g = _field_getter(k.strip())
+            out.append(lambda o, g=g, v=v.strip(): g(o) == v)
+    return out
+
+
+def _parse_label_selector(text: str) -> list[Callable[[dict], bool]]:
+    def labels(o: dict) -> dict:
+        return (o.get("metadata") or {}).get("labels") or {}
+
+    out = []
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        if "!=" in term:
+            k, v = (x.strip() for x in term.split("!=", 1))
+            out.append(lambda o, k=k, v=v: labels(o).get(k) != v)
+        elif "=" in term:
+            k, v = (x.strip() for x in (term.split("==", 1) if "==" in term else term.split("=", 1)))
+            out.append(lambda o, k=k, v=v: labels(o).get(k) == v)
+        elif term.startswith("!"):
+            out.append(lambda o, k=term[1:]: k not in labels(o))
+        else:
+            out.append(lambda o, k=term: k in labels(o))
+    return out
+
+
+class FakeAPIServer:
+    """See the module docstring. Methods are thread-safe; they run on the server's loop."""
+
+    def __init__(self, *, history: int = 1000, token: str | None = "fake-token",
+                 gone_as_http: bool = False, bookmark_interval: float | None = None) -> None:
+        self.history_size = history
+        self.token = token
+        self.gone_as_http = gone_as_http
+        self.bookmark_interval = bookmark_interval
+        self.requests: list[RequestRecord] = []
+        self.port = 0
+        self._rv = 0
+        self._objects: dict[str, dict[tuple[str, str], dict]] = {r: {} for r in RESOURCES}
+        self._history: dict[str, collections.deque] = {r: collections.deque() for r in RESOURCES}
+        self._floor: dict[str, int] = {r: 0 for r in RESOURCES}   # versions below are expired
+        self._watchers: list[_Watcher] = []
+        self._forbidden: dict[str, set[str]] = {}
+        self._failures: dict[str, list[int]] = {}
+        self._snapshots: collections.OrderedDict[str, tuple[int, list[dict]]] = collections.OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._ids = itertools.count(1)
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> "FakeAPIServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    def start(self) -> "FakeAPIServer":
+        """Start serving (again, on the same port after stop())."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            ready = threading.Event()
+            self._thread = threading.Thread(target=self._thread_main, args=(ready,),
+                                            name="fakeapi", daemon=True)
+            self._thread.start()
+            ready.wait()
+        self._call(self._start)
+        return self
+
+    def stop(self) -> None:
+        """An outage: open watches are cut and connections refused; objects are kept."""
+        self._call(self._stop)
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        self._call(self._stop)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._thread is not None
+        self._thread.join(5)
+        self._loop.close()
+        self._loop = None
+
+    def _thread_main(self, ready: threading.Event) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(ready.set)
+        self._loop.run_forever()
+
+    def _call(self, fn: Callable, *args: Any) -> Any:
+        """Run fn on the server loop and return its result (a coroutine function is awaited)."""
+        assert self._loop is not None, "the fake API server is not started"
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            raise RuntimeError("FakeAPIServer methods must not be called from its own loop")
+
+        async def call() -> Any:
+            result = fn(*args)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
+
+    async def _start(self) -> None:
+        if self._runner is not None:
+            return
+        app = web.Application()
+        for res in RESOURCES.values():
+            app.router.add_get(res.path, self._handler(res))
+        runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", self.port)
+        await site.start()
+        if not self.port:
+            self.port = runner.addresses[0][1]
+        self._runner = runner
+
+    async def _stop(self) -> None:
+        if self._runner is None:
+            return
+        self._drop(None)
+        runner, self._runner = self._runner, None
+        await runner.cleanup()
+
+    # -- objects -----------------------------------------------------------
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    def add(self, obj: dict) -> dict:
+        """Create an object (kind and apiVersion required); returns the stored copy."""
+        return self._call(self._write, obj, "ADDED")
+
+    def update(self, obj: dict) -> dict:
+        return self._call(self._write, obj, "MODIFIED")
+
+    def apply(self, obj: dict) -> dict:
+        """Create or update."""
+        return self._call(self._write, obj, None)
+
+    def add_all(self, objs: Iterable[dict]) -> None:
+        objs = list(objs)
+        self._call(lambda: [self._write(o, None) for o in objs])
+
+    def delete(self, resource: str, name: str, namespace: str | None = None) -> dict | None:
+        """Delete by resource (plural or kind) and name; returns the object or None."""
+        return self._call(self._delete, self._resource(resource), namespace, name)
+
+    def get(self, resource: str, name: str, namespace: str | None = None) -> dict | None:
+        res = self._resource(resource)
+        obj = self._call(lambda: self._objects[res.name].get(_key(res, namespace, name)))
+        return copy.deepcopy(obj)
+
+    def objects(self, resource: str) -> list[dict]:
+        res = self._resource(resource)
+        return copy.deepcopy(self._call(lambda: list(self._objects[res.name].values())))
+
+    def _resource(self, name: str) -> Resource:
+        if name in RESOURCES:
+            return RESOURCES[name]
+        if name in BY_KIND:
+            return BY_KIND[name]
+        raise KeyError(f"unknown resource {name!r}")
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _write(self, obj: dict, want: str | None) -> dict:
+        res = BY_KIND.get(obj.get("kind", ""))
+        if res is None:
+            raise ValueError(f"unsupported kind {obj.get('kind')!r}")
+        obj = copy.deepcopy(obj)
+        obj.setdefault("apiVersion", res.api_version)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name"):
+            raise ValueError("metadata.name is required")
+        if res.namespaced:
+            meta.setdefault("namespace", "default")
+        key = _obj_key(res, obj)
+        table = self._objects[res.name]
+        old = table.get(key)
+        if want == "ADDED" and old is not None:
+            raise ValueError(f"{res.name} {key} already exists")
+        if want == "MODIFIED" and old is None:
+            raise ValueError(f"{res.name} {key} does not exist")
+        meta["uid"] = (old or {}).get("metadata", {}).get("uid") or meta.get("uid") or str(uuid.uuid4())
+        meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        meta["resourceVersion"] = self._next_rv()
+        table[key] = obj
+        self._emit(res, "MODIFIED" if old is not None else "ADDED", obj, old)
+        return copy.deepcopy(obj)
+
+    def _delete(self, res: Resource, namespace: str | None, name: str) -> dict | None:
+        old = self._objects[res.name].pop(_key(res, namespace, name), None)
+        if old is None:
+            return None
+        gone = copy.deepcopy(old)
+        gone["metadata"]["resourceVersion"] = self._next_rv()
+        self._emit(res, "DELETED", gone, old)
+        return gone
+
+    def _emit(self, res: Resource, kind: str, obj: dict, old: dict | None) -> None:
+        hist = self._history[res.name]
+        hist.append((self._rv, kind, obj, old))
+        while len(hist) > self.history_size:
+            self._floor[res.name] = hist.popleft()[0]
+        for w in self._watchers:
+            if w.resource is res and not w.stalled:
+                ev = self._event_for(w, kind, obj, old)
+                if ev is not None:
+                    w.queue.put_nowait(ev)
+
+    @staticmethod
+    def _event_for(w: _Watcher, kind: str, obj: dict, old: dict | None) -> dict | None:
+        """The event a selective watcher sees (an object leaving its selection is a DELETED)."""
+        def match(o: dict | None) -> bool:
+            return o is not None and all(s(o) for s in w.selectors)
+        if kind == "DELETED":
+            return {"type": kind, "object": obj} if match(old) else None
+        now, before = match(obj), match(old)
+        if now:
+            return {"type": "ADDED" if kind == "ADDED" or not before else "MODIFIED", "object": obj}
+        if before:
+            return {"type": "DELETED", "object": obj}
+        return None
+
+    # -- controls ----------------------------------------------------------
+    def compact(self, resource: str | None = None) -> None:
+        """Forget the history: a watch from any version older than now gets 410 Gone."""
+        def run() -> None:
+            for name in ([self._resource(resource).name] if resource else RESOURCES):
+                self._history[name].clear()
+                self._floor[name] = self._rv
+        self._call(run)
+
+    def bookmark(self, resource: str | None = None) -> int:
+        """Send a BOOKMARK at the current version to watches that asked for them."""
+        def run() -> int:
+            for w in self._watchers:
+                if w.bookmarks and not w.stalled and (resource is None or w.resource is self._resource(resource)):
+                    w.queue.put_nowait(self._bookmark_event(w.resource))
+            return self._rv
+        return self._call(run)
+
+    def _bookmark_event(self, res: Resource) -> dict:
+        return {"type": "BOOKMARK", "object": {
+            "kind": res.kind, "apiVersion": res.api_version,
+            "metadata": {"resourceVersion": str(self._rv)}}}
+
+    def drop_watches(self, resource: str | None = None) -> int:
+        """Cut open watch connections abruptly (no final chunk); returns how many."""
+        return self._call(self._drop, resource)
+
+    def _drop(self, resource: str | None) -> int:
+        n = 0
+        for w in list(self._watchers):
+            if resource is None or w.resource is self._resource(resource):
+                w.stalled = False
+                w.queue.put_nowait(_DROP)
+                n += 1
+        return n
+
+    def stall_watches(self, resource: str | None = None) -> int:
+        """Open watches go silent and never end, as over a dead TCP connection."""
+        def run() -> int:
+            n = 0
+            for w in self._watchers:
+                if resource is None or w.resource is self._resource(resource):
+                    w.stalled = True
+                    n += 1
+            return n
+        return self._call(run)
+
+    def forbid(self, resource: str, verbs: Iterable[str] = ("list", "watch")) -> None:
+        """Answer 403 Forbidden for these verbs on the resource (RBAC missing)."""
+        name = self._resource(resource).name
+        self._forbidden[name] = set(verbs)
+
+    def allow(self, resource: str) -> None:
+        self._forbidden.pop(self._resource(resource).name, None)
+
+    def fail_next(self, resource: str, status: int = 500, count: int = 1) -> None:
+        """The next `count` requests for the resource fail with this HTTP status."""
+        self._failures.setdefault(self._resource(resource).name, []).extend([status] * count)
+
+    def open_watches(self, resource: str | None = None) -> int:
+        return sum(1 for w in list(self._watchers)
+                   if resource is None or w.resource is self._resource(resource))
+
+    def requests_for(self, resource: str, verb: str | None = None) -> list[RequestRecord]:
+        name = self._resource(resource).name
+        return [r for r in list(self.requests) if r.resource == name and (verb is None or r.verb == verb)]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+        """Poll predicate until true (for use from sync tests)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.01)
+
+    def write_kubeconfig(self, path: Any, token: str | None = None) -> str:
+        """Write a kubeconfig pointing at this server; returns the path."""
+        token = self.token if token is None else token
+        user: dict[str, Any] = {"token": token} if token else {}
+        doc = {
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake", "user": user}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+            "current-context": "fake",
+        }
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)   # JSON is YAML
+        return str(path)
+
+    # -- HTTP ----------------------------------------------------------------
+    def _handler(self, res: Resource) -> Callable:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            q = request.query
+            watching = q.get("watch", "").lower() in ("1", "true")
+            verb = "watch" if watching else "list"
+            self.requests.append(RequestRecord(res.name, verb, dict(q),
+                                               request.headers.get("Authorization", ""), time.time()))
+            if self.token and request.headers.get("Authorization", "") != f"Bearer {self.token}" \
+                    and request.headers.get("Authorization", "") != f"bearer {self.token}":
+                return web.json_response(_status(401, "Unauthorized", "Unauthorized"), status=401)
+            if verb in self._forbidden.get(res.name, ()):
+                resource = f"{res.name}.{res.group}" if res.group else res.name
+                msg = (f'{resource} is forbidden: User "system:serviceaccount:kube-system:clusterdns" '
+                       f'cannot {verb} resource "{res.name}" in API group "{res.group}" at the cluster scope')
+                return web.json_response(_status(403, "Forbidden", msg, res.name), status=403)
+            fails = self._failures.get(res.name)
+            if fails:
+                code = fails.pop(0)
+                return web.json_response(_status(code, "InternalError", "injected failure"), status=code)
+            try:
+                selectors = tuple(_parse_field_selector(q.get("fieldSelector", ""))
+                                  + _parse_label_selector(q.get("labelSelector", "")))
+            except ValueError:
+                return web.json_response(_status(400, "BadRequest", "invalid selector"), status=400)
+            if watching:
+                return await self._watch(request, res, selectors)
+            return self._list(request, res, selectors)
+        return handle
+
+    def _list(self, request: web.Request, res: Resource, selectors: tuple) -> web.Response:
+        q = request.query
+        try:
+            limit = int(q.get("limit", "0") or 0)
+        except ValueError:
+            return web.json_response(_status(400, "BadRequest", "invalid limit"), status=400)
+        token = q.get("continue", "")
+        if token:
+            snap = self._snapshots.get(token)
+            if snap is None:
+                return web.json_response(_status(
+                    410, "Expired", "The provided continue parameter is too old"), status=410)
+            rv, items = snap
+        else:
+            rv = self._rv
+            items = [o for _, o in sorted(self._objects[res.name].items()) if all(s(o) for s in selectors)]
+        page, rest = (items[:limit], items[limit:]) if limit > 0 else (items, [])
+        meta: dict[str, Any] = {"resourceVersion": str(rv)}
+        if rest:
+            nxt = base64.urlsafe_b64encode(f"{res.name}:{next(self._ids)}".encode()).decode()
+            self._snapshots[nxt] = (rv, rest)
+            while len(self._snapshots) > 100:
+                self._snapshots.popitem(last=False)
+            meta["continue"] = nxt
+            meta["remainingItemCount"] = len(rest)
+        out = []
+        for o in page:
+            o = copy.deepcopy(o)
+            o.pop("kind", None)          # list items carry no TypeMeta, as from kube-apiserver
+            o.pop("apiVersion", None)
+            out.append(o)
+        body = {"kind": res.kind + "List", "apiVersion": res.api_version, "metadata": meta, "items": out}
+        return web.json_response(body)
+
+    async def _watch(self, request: web.Request, res: Resource, selectors: tuple) -> web.StreamResponse:
+        q = request.query
+        rv_text = q.get("resourceVersion", "")
+        try:
+            since = int(rv_text) if rv_text else 0
+            timeout = float(q["timeoutSeconds"]) if q.get("timeoutSeconds") else None
+        except ValueError:
+            return web.json_response(_status(400, "BadRequest", "invalid resourceVersion"), status=400)
+        expired = rv_text not in ("", "0") and since < self._floor[res.name]
+        if expired and self.gone_as_http:
+            return web.json_response(_status(410, "Expired", f"too old resource version: {since} "
+                                                           f"({self._floor[res.name]})"), status=410)
+        w = _Watcher(res, selectors, q.get("allowWatchBookmarks", "").lower() == "true", request=request)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        if expired:
+            await self._send(resp, {"type": "ERROR", "object": _status(
+                410, "Expired", f"too old resource version: {since} ({self._floor[res.name]})")})
+            return resp
+        # Replay and register without awaiting in between, so no event falls in a gap.
+        if rv_text in ("", "0"):
+            for _, o in sorted(self._objects[res.name].items()):
+                if all(s(o) for s in selectors):
+                    w.queue.put_nowait({"type": "ADDED", "object": o})
+        else:
+            for ev_rv, kind, obj, old in self._history[res.name]:
+                if ev_rv > since:
+                    ev = self._event_for(w, kind, obj, old)
+                    if ev is not None:
+                        w.queue.put_nowait(ev)
+        self._watchers.append(w)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_bookmark = None if self.bookmark_interval is None else time.monotonic() + self.bookmark_interval
+        try:
+            while True:
+                now = time.monotonic()
+                if w.stalled:
+                    item = await w.queue.get()
+                    if item is _DROP:
+                        break
+                    continue
+                wait = [t - now for t in (deadline, next_bookmark) if t is not None]
+                try:
+                    item = await asyncio.wait_for(w.queue.get(), max(0.0, min(wait)) if wait else None)
+                except asyncio.TimeoutError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return resp   # normal end: final chunk, stream closed
+                    if w.bookmarks and next_bookmark is not None:
+                        await self._send(resp, self._bookmark_event(res))
+                        next_bookmark = time.monotonic() + (self.bookmark_interval or 0)
+                    continue
+                if item is _DROP:
+                    break
+                if w.stalled:
+                    continue
+                await self._send(resp, item)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            if w in self._watchers:
+                self._watchers.remove(w)
+        # Cut the connection without the terminating chunk: the client sees a broken stream.
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+
+    @staticmethod
+    async def _send(resp: web.StreamResponse, event: dict) -> None:
+        await resp.write(json.dumps(event).encode() + b"\n")
+
+
+# -- object builders for tests ------------------------------------------------
+
+def service(namespace: str, name: str, cluster_ip: str, ports: Iterable[tuple] = (("http", 80, "TCP"),),
+            **spec: Any) -> dict:
+    """A v1 Service dict; ports are (name, port, protocol)."""
+    body: dict[str, Any] = {"type": "ClusterIP", "clusterIP": cluster_ip,
+                            "clusterIPs": [cluster_ip] if cluster_ip != "None" else ["None"],
+                            "ports": [{"name": n, "port": p, "protocol": pr, "targetPort": p}
+                                      for n, p, pr in ports]}
+    body.update(spec)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": namespace, "name": name}, "spec": body}
+
+
+def endpoint_slice(namespace: str, service_name: str, ips: Iterable[str], port: int = 80,
+                   name: str | None = None, port_name: str = "http", ready: bool = True) -> dict:
+    ips = list(ips)
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": namespace, "name": name or f"{service_name}-abc",
+                         "labels": {"kubernetes.io/service-name": service_name}},
+            "addressType": "IPv6" if ips and ":" in ips[0] else "IPv4",
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip in ips],
+            "ports": [{"name": port_name, "port": port, "protocol": "TCP"}]}
+
+
+def namespace(name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+
+
+def pod(namespace: str, name: str, ip: str, phase: str = "Running") -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"namespace": namespace, "name": name},
+            "spec": {"nodeName": "node-a"},
+            "status": {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}]}}
+
+
+def node(name: str, ip: str, zone: str = "") -> dict:
+    labels = {"topology.kubernetes.io/zone": zone} if zone else {}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
+            "status": {"addresses": [{"type": "InternalIP", "address": ip}]}}
+
+
+__all__ = ["FakeAPIServer", "RESOURCES", "RequestRecord", "endpoint_slice", "namespace", "node",
+           "pod", "service"]

@@ -1,0 +1,378 @@
+"""KubeSource and list_once against a fake API server speaking the real list/watch
+protocol over HTTP, through the official `kubernetes` client, into a real StateStore."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import pytest
+
+from clusterdns import metrics
+from clusterdns.cli import UsageError
+from clusterdns.config import load
+from clusterdns.sources import kube
+from clusterdns.sources.kube import KubeSource, list_once
+from clusterdns.state import StateStore
+from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, node, pod, service
+
+FAST = dict(watch_timeout=5, backoff_initial=0.02, backoff_max=0.2)
+
+
+def sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def api():
+    server = FakeAPIServer().start()
+    server.add(namespace("testapp"))
+    server.add(service("testapp", "a", "10.0.0.1"))
+    server.add(service("testapp", "b", "10.0.0.2"))
+    server.add(endpoint_slice("testapp", "a", ["10.1.0.1", "10.1.0.2"]))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def kubeconfig(api, tmp_path):
+    return api.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+def config(kubeconfig: str, *extra: str):
+    return load(["agent", "--kubeconfig", kubeconfig, *extra], env={})
+
+
+async def eventually(pred, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def running(cfg, store, **opts):
+    src = KubeSource(cfg, store, **{**FAST, **opts})
+    task = asyncio.create_task(src.run())
+    try:
+        yield src
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def names(store: StateStore) -> set[str]:
+    return {name for _, name in store.current.services}
+
+
+async def call(fn, *args):
+    """Fake-server controls block briefly; keep the source's loop running meanwhile."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def test_initial_list_is_paginated_and_published(api, kubeconfig):
+    for i in range(23):
+        api.add(service("bulk", f"s{i:02d}", f"10.0.1.{i + 1}"))
+    store = StateStore()
+    cfg = config(kubeconfig)
+    async with running(cfg, store, page_size=10) as src:
+        assert src.not_synced() == ["services", "endpointslices", "namespaces"]
+        await asyncio.wait_for(src.synced.wait(), 5)
+        assert src.not_synced() == []
+        st = store.current
+        assert len(st.services) == 25
+        assert st.services[("bulk", "s07")].cluster_ips == ("10.0.1.8",)
+        assert [e.addresses for e in st.slices[("testapp", "a-abc")].endpoints] == [("10.1.0.1",), ("10.1.0.2",)]
+        assert set(st.namespaces) == {"testapp"}
+        assert st.is_synced("Service", "EndpointSlice", "Namespace", "Pod", "Node")
+        assert sample("clusterdns_kube_synced", resource="services") == 1
+        await eventually(lambda: api.open_watches() == 3, what="watches")
+    lists = api.requests_for("services", "list")
+    assert [r.params.get("limit") for r in lists] == ["10", "10", "10"]
+    assert "continue" not in lists[0].params and all("continue" in r.params for r in lists[1:])
+    assert all(r.authorization.lower() == "bearer fake-token" for r in api.requests)
+    watch = api.requests_for("services", "watch")[0].params
+    assert watch["allowWatchBookmarks"] == "true"
+    assert watch["timeoutSeconds"] == "5"
+    assert watch["resourceVersion"] == str(api.resource_version)
+
+
+async def test_adds_updates_deletes_arrive(api, kubeconfig):
+    store = StateStore()
+    before = sample("clusterdns_kube_watch_events_total", resource="services", type="MODIFIED")
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await call(api.add, service("testapp", "c", "10.0.0.3"))
+        await eventually(lambda: "c" in names(store), what="added service")
+        await call(api.update, service("testapp", "c", "10.0.0.33"))
+        await eventually(lambda: store.current.services[("testapp", "c")].cluster_ips == ("10.0.0.33",),
+                         what="updated service")
+        await call(api.update, endpoint_slice("testapp", "a", ["10.1.0.9"]))
+        await eventually(lambda: [e.addresses for e in store.current.slices_for("testapp", "a")[0].endpoints]
+                         == [("10.1.0.9",)], what="updated slice")
+        await call(api.delete, "services", "a", "testapp")
+        await eventually(lambda: "a" not in names(store), what="deleted service")
+        await call(api.delete, "namespaces", "testapp")
+        await eventually(lambda: not store.current.namespaces, what="deleted namespace")
+        assert names(store) == {"b", "c"}
+    assert sample("clusterdns_kube_watch_events_total", resource="services", type="MODIFIED") == before + 1
+    assert len(api.requests_for("services", "list")) == 1
+
+
+async def test_bookmark_advances_the_version_the_next_watch_carries(api, kubeconfig):
+    store = StateStore()
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches("services") == 1, what="services watch")
+        listed = src.reflectors["services"].resource_version
+        # Other resources move the global version; services see only a bookmark.
+        await call(api.add, namespace("other1"))
+        await call(api.add, namespace("other2"))
+        rv = await call(api.bookmark, "services")
+        assert str(rv) != listed
+        await eventually(lambda: src.reflectors["services"].resource_version == str(rv), what="bookmark")
+        await call(api.drop_watches, "services")
+        await eventually(lambda: len(api.requests_for("services", "watch")) == 2, what="re-watch")
+        assert api.requests_for("services", "watch")[1].params["resourceVersion"] == str(rv)
+    assert len(api.requests_for("services", "list")) == 1
+
+
+@pytest.mark.parametrize("gone_as_http", [False, True], ids=["error-event", "http-410"])
+async def test_410_relists_and_emits_exactly_the_changes(kubeconfig, api, gone_as_http):
+    api.gone_as_http = gone_as_http
+    store = StateStore()
+    deltas = []
+    store.subscribe(lambda old, new, delta: deltas.append((new, delta)))
+    relists = sample("clusterdns_kube_relists_total", resource="services", reason="expired")
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches() == 3, what="watches")
+        api.stop()
+        api.delete("services", "a", "testapp")              # vanishes while we are away
+        api.add(service("testapp", "c", "10.0.0.3"))         # appears while we are away
+        api.compact()                                        # ... and the history is gone
+        deltas.clear()
+        api.start()
+        await eventually(lambda: names(store) == {"b", "c"}, what="re-listed state")
+        await asyncio.sleep(0.2)
+    assert sample("clusterdns_kube_relists_total", resource="services", reason="expired") == relists + 1
+    assert len(api.requests_for("services", "list")) == 2
+    changed = set().union(*(d.services for _, d in deltas))
+    assert changed == {("testapp", "a"), ("testapp", "c")}   # b unchanged: nothing for it
+    # No intermediate version lost b or served an empty list.
+    assert all(("testapp", "b") in st.services for st, _ in deltas)
+    # Slices and namespaces re-listed to identical content publish nothing.
+    assert all(d.kinds <= {"Service"} for _, d in deltas)
+
+
+async def test_dropped_connections_resume_without_relist_or_loss(api, kubeconfig):
+    store = StateStore()
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        for i in range(6):
+            await eventually(lambda: api.open_watches("services") == 1, what="services watch")
+            await call(api.drop_watches)
+            # Written while no watch is open: must come from the history on resume.
+            await call(api.add, service("drop", f"d{i}", f"10.0.2.{i + 1}"))
+        await eventually(lambda: {f"d{i}" for i in range(6)} <= names(store), what="all events")
+    assert len(api.requests_for("services", "list")) == 1
+    assert len(api.requests_for("endpointslices", "list")) == 1
+
+
+async def test_outage_keeps_the_state_and_recovers(api, kubeconfig):
+    store = StateStore()
+    seen = []
+    store.subscribe(lambda old, new, delta: seen.append(new))
+    errors = sample("clusterdns_kube_errors_total", resource="services", reason="connection")
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        seen.clear()
+        served = store.current
+        await call(api.stop)
+        await asyncio.sleep(0.8)   # many reconnect attempts at the test backoff
+        assert store.current is served
+        assert sample("clusterdns_kube_errors_total", resource="services", reason="connection") > errors
+        api.update(endpoint_slice("testapp", "a", ["10.1.0.7"]))
+        api.add(service("testapp", "late", "10.0.0.9"))
+        await call(api.start)
+        await eventually(lambda: "late" in names(store), what="changes after the outage")
+        await eventually(lambda: [e.addresses for e in store.current.slices_for("testapp", "a")[0].endpoints]
+                         == [("10.1.0.7",)], what="slice change after the outage")
+    assert all({"a", "b"} <= {n for _, n in st.services} for st in seen)
+    # The history still covered the gap: resumed, not re-listed.
+    assert len(api.requests_for("services", "list")) == 1
+
+
+async def test_forbidden_names_verb_and_resource_and_retries(api, kubeconfig, caplog):
+    api.forbid("endpointslices")
+    store = StateStore()
+    caplog.set_level(logging.ERROR, logger="clusterdns.sources.reflector")
+    async with running(config(kubeconfig), store) as src:
+        await eventually(lambda: len(api.requests_for("endpointslices")) >= 3, what="retries")
+        await eventually(lambda: "Service" in store.current.synced, what="services synced")
+        assert src.not_synced() == ["endpointslices"]
+        assert not src.synced.is_set()
+        assert names(store) == {"a", "b"}        # what is allowed is served meanwhile
+        assert "forbidden: cannot list endpointslices.discovery.k8s.io at the cluster scope: " \
+               "grant list,watch on endpointslices.discovery.k8s.io" in caplog.text
+        api.allow("endpointslices")
+        await asyncio.wait_for(src.synced.wait(), 5)
+        assert src.not_synced() == []
+        # Listing allowed, watching not: the error names the watch verb.
+        api.forbid("services", ["watch"])
+        await call(api.drop_watches, "services")
+        await eventually(lambda: "cannot watch services at the cluster scope" in caplog.text, what="watch 403")
+    assert sample("clusterdns_kube_errors_total", resource="endpointslices", reason="forbidden") >= 3
+
+
+async def test_server_errors_back_off_then_sync(api, kubeconfig):
+    api.fail_next("services", 500, 3)
+    before = sample("clusterdns_kube_errors_total", resource="services", reason="http_500")
+    store = StateStore()
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+    assert sample("clusterdns_kube_errors_total", resource="services", reason="http_500") == before + 3
+    times = [r.time for r in api.requests_for("services", "list")]
+    assert len(times) == 4
+    assert times[-1] - times[0] >= 0.02 * 0.5 * (1 + 2 + 4) * 0.9   # jittered exponential waits
+
+
+async def test_dead_connection_is_noticed_by_the_read_timeout(api, kubeconfig):
+    store = StateStore()
+    before = sample("clusterdns_kube_errors_total", resource="services", reason="timeout")
+    async with running(config(kubeconfig), store, watch_timeout=30, read_timeout=0.5) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches("services") == 1, what="services watch")
+        await call(api.stall_watches, "services")
+        await call(api.add, service("testapp", "after-stall", "10.0.0.4"))
+        await eventually(lambda: "after-stall" in names(store), timeout=3, what="resume after stall")
+    assert sample("clusterdns_kube_errors_total", resource="services", reason="timeout") >= before + 1
+    assert len(api.requests_for("services", "list")) == 1
+
+
+async def test_invalid_objects_are_skipped_with_a_metric(api, kubeconfig, caplog):
+    bad = service("testapp", "bad", "10.0.0.5")
+    bad["spec"]["clusterIP"] = 167772165          # an integer, not an address
+    bad["spec"].pop("clusterIPs")
+    api.add(bad)
+    before = sample("clusterdns_invalid_objects_total", kind="Service")
+    store = StateStore()
+    caplog.set_level(logging.WARNING)
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        assert names(store) == {"a", "b"}
+        assert sample("clusterdns_invalid_objects_total", kind="Service") == before + 1
+        assert "skipped Service testapp/bad" in caplog.text
+        # A watched object turning invalid leaves the state, as a re-list would have it.
+        broken = service("testapp", "b", "10.0.0.2")
+        broken["spec"]["ports"][0]["port"] = "eighty"
+        await call(api.update, broken)
+        await eventually(lambda: names(store) == {"a"}, what="invalid update removed")
+        await call(api.add, service("testapp", "good", "10.0.0.6"))
+        await eventually(lambda: names(store) == {"a", "good"}, what="valid objects still served")
+    assert sample("clusterdns_invalid_objects_total", kind="Service") == before + 2
+
+
+async def test_a_burst_of_events_publishes_few_versions(api, kubeconfig):
+    store = StateStore()
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches() == 3, what="watches")
+        start = store.current.version
+        burst = [service("burst", f"s{i}", f"10.0.3.{i + 1}") for i in range(100)]
+        burst += [endpoint_slice("burst", f"s{i}", [f"10.2.3.{i + 1}"]) for i in range(100)]
+        await call(api.add_all, burst)
+        await eventually(lambda: len(store.current.services) == 102 and len(store.current.slices) == 101,
+                         what="burst applied")
+        versions = store.current.version - start
+    assert 1 <= versions <= 20, versions
+
+
+async def test_pods_and_own_node_only_when_needed(api, kubeconfig):
+    api.add(pod("testapp", "client", "10.161.37.5"))
+    api.add(node("node-a", "192.168.49.2", zone="z1"))
+    api.add(node("node-b", "192.168.49.3"))
+    store = StateStore()
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        assert not store.current.pods and not store.current.nodes
+        assert store.current.is_synced("Pod", "Node")
+    assert not api.requests_for("pods") and not api.requests_for("nodes")
+
+    store = StateStore()
+    cfg = config(kubeconfig, "--pods", "verified", "--node-name", "node-a")
+    async with running(cfg, store) as src:
+        assert src.not_synced() == ["services", "endpointslices", "namespaces", "pods", "nodes"]
+        await asyncio.wait_for(src.synced.wait(), 5)
+        assert set(store.current.pods) == {("testapp", "client")}
+        assert set(store.current.nodes) == {"node-a"}
+        await call(api.update, node("node-a", "192.168.49.2", zone="z2"))
+        await call(api.update, node("node-b", "192.168.49.30"))
+        await eventually(lambda: store.current.nodes["node-a"].zone == "z2", what="own node update")
+        await call(api.delete, "pods", "client", "testapp")
+        await eventually(lambda: not store.current.pods, what="pod delete")
+        assert set(store.current.nodes) == {"node-a"}
+    assert all(r.params.get("fieldSelector") == "metadata.name=node-a" for r in api.requests_for("nodes"))
+
+
+def test_list_once_publishes_one_complete_version(api, kubeconfig):
+    store = StateStore()
+    list_once(config(kubeconfig), store)
+    assert store.current.version == 1
+    assert names(store) == {"a", "b"}
+    assert set(store.current.slices) == {("testapp", "a-abc")}
+    assert store.current.is_synced("Service", "EndpointSlice", "Namespace", "Pod", "Node")
+
+
+def test_list_once_unreachable_or_forbidden_is_a_usage_error(api, kubeconfig):
+    api.forbid("services")
+    with pytest.raises(UsageError, match="cannot list services at the cluster scope"):
+        list_once(config(kubeconfig), StateStore())
+    api.stop()
+    with pytest.raises(UsageError, match=r"cannot list services from http://127\.0\.0\.1:\d+"):
+        list_once(config(kubeconfig), StateStore(), connect_timeout=2)
+
+
+def test_bad_kubeconfig_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        KubeSource(config(str(tmp_path / "missing")), StateStore())
+    garbage = tmp_path / "garbage"
+    garbage.write_text("clusters: [unterminated\n")
+    with pytest.raises(UsageError, match="kubeconfig .*garbage"):
+        KubeSource(config(str(garbage)), StateStore())
+    empty = tmp_path / "empty"
+    empty.write_text("apiVersion: v1\nkind: Config\n")
+    with pytest.raises(UsageError) as info:
+        list_once(config(str(empty)), StateStore())
+    assert "\n" not in str(info.value)
+
+
+def test_cli_exit_code_2_for_unreadable_kubeconfig(tmp_path, capsys):
+    from clusterdns.cli import main
+    with contextlib.suppress(ModuleNotFoundError):   # `rules` belongs to another part
+        code = main(["rules", "--kubeconfig", str(tmp_path / "missing")])
+        assert code == 2
+        assert "no such file" in capsys.readouterr().err
+
+
+def test_in_cluster_config(tmp_path, monkeypatch):
+    from kubernetes.aio.config import incluster_config
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("sa-token\n")
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")   # read only when connecting
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "192.168.49.2")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    cfg = load(["agent"], env={"KUBERNETES_SERVICE_HOST": "192.168.49.2"})
+    assert cfg.kubeconfig == kube.IN_CLUSTER
+    src = KubeSource(cfg, StateStore())
+    assert src.host == "https://192.168.49.2:6443"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    with pytest.raises(UsageError, match="in-cluster config"):
+        KubeSource(cfg, StateStore())
