@@ -1,0 +1,78 @@
+"""`clusterdns dns`: the DNS server alone, fed by manifest files or a cluster.
+
+SIGTERM/SIGINT start a lameduck period of --lameduck seconds: DNS keeps
+answering and /health stays OK while /ready turns 503, so endpoints are
+withdrawn before the process goes; then it exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from ..cli import UsageError
+from ..config import Config
+from ..health import HealthServer
+from ..sources import loader
+from ..state import StateStore
+
+log = logging.getLogger("clusterdns.dns")
+
+
+async def serve(cfg: Config) -> int:
+    from ..dns.server import DnsService, banner
+
+    store = StateStore()
+    source = loader.make_source(cfg, store)        # ManifestError -> exit 2
+    service = DnsService(cfg, store)
+    health = HealthServer(cfg)
+    health.add_ready_check("dns", lambda: service.synced)
+    try:
+        await service.start()
+    except OSError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        await health.start()
+    except OSError as exc:
+        await service.stop()
+        raise UsageError(str(exc)) from None
+    log.info("%s", banner(service))
+    if health.bound:
+        log.info("health, ready and metrics on %s", ", ".join(f"{h}:{p}" for h, p in health.bound))
+
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    source_task = asyncio.ensure_future(source.run())
+    waiter = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait([waiter, source_task], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if source_task.done() and not stopping.is_set():
+        exc = None if source_task.cancelled() else source_task.exception()
+        log.error("state source stopped: %s", exc or "ended")
+        code = 1
+    else:
+        if cfg.lameduck > 0:
+            log.info("shutting down: lameduck for %gs (still answering, /ready 503)", cfg.lameduck)
+            health.lameduck = True
+            await asyncio.sleep(cfg.lameduck)
+        log.info("shutting down")
+    waiter.cancel()
+    source_task.cancel()
+    await asyncio.gather(source_task, return_exceptions=True)
+    await service.stop()
+    await health.stop()
+    return code
+
+
+def run(cfg: Config) -> int:
+    loop_kind = cfg.loop
+    if loop_kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+            return uvloop.run(serve(cfg))
+        except ImportError:
+            if loop_kind == "uvloop":
+                raise UsageError("--loop uvloop: uvloop is not installed") from None
+    return asyncio.run(serve(cfg))
