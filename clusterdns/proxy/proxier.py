@@ -226,7 +226,8 @@ class Proxier:
         if cfg.proxy_mode in BACKENDS:
             self.backends = {f: BACKENDS[cfg.proxy_mode](runner, cfg, f, applying=self.applying)
                              for f in self.families}
-        self.conntrack = {f: ConntrackCleaner(runner, f) for f in self.families} if self.applying else {}
+        self.conntrack = ({f: ConntrackCleaner(runner, f) for f in self.families}
+                          if self.applying and self.backends else {})
         self.health = ProxierHealth(2 * cfg.sync_period, clock)
         self.service_health = ServiceHealthServers(health_host) if self.applying and self.backends else None
         self.applied_version = 0

@@ -1,0 +1,328 @@
+"""The Proxier's sync decisions against a recording runner (no kernel), plus
+health servers over real sockets on loopback and cleanup's command text."""
+import asyncio
+import dataclasses
+import io
+import json
+import socket
+
+import pytest
+
+from clusterdns.config import load
+from clusterdns.model import Endpoint
+from clusterdns.proxy import proxier as px
+from clusterdns.proxy.apply import RecordingRunner, Result
+from clusterdns.proxy.healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
+from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+from clusterdns.state import StateStore
+
+BASE = ["proxy", "--manifest", DEMO_MANIFEST, "--node-ip", "192.168.49.2", "--node-name", "node-a",
+        "--cluster-cidr", "10.161.0.0/16", "--min-sync-period", "0", "--apply"]
+
+
+def cfg_of(*extra):
+    return load(BASE + list(extra), env={})
+
+
+def demo_records():
+    records, _ = load_files([DEMO_MANIFEST])
+    return records
+
+
+def restores(runner):
+    return [(a, s) for a, s in runner.calls if a[0].endswith("-restore")]
+
+
+def metric(name, **labels):
+    v = px.REGISTRY.get_sample_value(name, labels or None)
+    return v or 0.0
+
+
+class Rig:
+    def __init__(self, cfg, respond=None, synced=True, out=None):
+        self.runner = RecordingRunner(respond)
+        self.store = StateStore()
+        self.proxier = px.Proxier(cfg, self.store, executor=self.runner, out=out)
+        self.versions = []
+        self.proxier.add_listener(self.versions.append)
+        if synced:
+            publish(self.store, demo_records())
+        self.task = None
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.proxier.run())
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.proxier.stop()
+        await asyncio.wait_for(self.task, 2)
+
+    async def synced(self, version=0):
+        assert await self.proxier.wait_synced(version, timeout=3)
+
+
+async def test_no_writes_until_services_and_slices_are_listed():
+    cfg = cfg_of()
+    rig = Rig(cfg, synced=False)
+    async with rig:
+        records = demo_records()
+        with rig.store.batch():
+            rig.store.replace("Service", [r for k, r in records if k == "Service"], synced=True)
+            rig.store.replace("EndpointSlice", [r for k, r in records if k == "EndpointSlice"], synced=False)
+        await asyncio.sleep(0.1)
+        assert rig.runner.calls == []
+        assert rig.proxier.syncs == 0
+        rig.store.mark_synced("EndpointSlice")
+        await rig.synced()
+        assert len(restores(rig.runner)) == 1
+
+
+async def test_full_sync_then_partial_sync_of_the_changed_service():
+    rig = Rig(cfg_of())
+    async with rig:
+        await rig.synced()
+        (argv, text), = restores(rig.runner)
+        assert argv[:5] == ("iptables-nft-restore", "-w", "5", "--noflush", "--counters")
+        assert "*mangle" in text and "-I PREROUTING" in text   # full: canary and jumps
+        assert "KUBE-SVC-" in text and text.count(":KUBE-SEP-") > 74
+        full_syncs = metric("kubeproxy_sync_full_proxy_rules_duration_seconds_count")
+        partial_syncs = metric("kubeproxy_sync_partial_proxy_rules_duration_seconds_count")
+
+        sl = rig.store.current.slices[("kube-system", "kube-dns-7fz8q")]
+        rig.store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=sl.endpoints[:1]))
+        version = rig.store.current.version
+        await rig.synced(version)
+        argv, text = restores(rig.runner)[-1]
+        assert "*mangle" not in text and "-I " not in text
+        assert text.count(":KUBE-SEP-") < 10    # only kube-dns's chains are rewritten
+        assert metric("kubeproxy_sync_partial_proxy_rules_duration_seconds_count") == partial_syncs + 1
+        assert metric("kubeproxy_sync_full_proxy_rules_duration_seconds_count") == full_syncs
+        assert rig.proxier.applied_version == version
+        assert rig.versions[-1] == version
+
+
+async def test_removed_udp_endpoint_clears_conntrack_after_the_sync():
+    rig = Rig(cfg_of())
+    async with rig:
+        await rig.synced()
+        sl = rig.store.current.slices[("kube-system", "kube-dns-7fz8q")]
+        gone = sl.endpoints[1].addresses[0]
+        rig.store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=sl.endpoints[:1]))
+        await rig.synced(rig.store.current.version)
+        cmds = rig.runner.commands()
+        ct = [c for c in cmds if c.startswith("conntrack -D")]
+        assert f"conntrack -D -f ipv4 -p udp --orig-dst 172.20.0.10 --orig-port-dst 53 --reply-src {gone}" in ct
+        last_restore = max(i for i, c in enumerate(cmds) if "-restore" in c)
+        assert cmds.index(ct[-1]) > last_restore   # deleted only after the rules are in
+
+
+async def test_failed_partial_sync_keeps_version_counts_and_retries_full():
+    fail = {"on": False}
+
+    def respond(argv, stdin):
+        if fail["on"] and argv[0].endswith("-restore"):
+            return Result(argv, 1, "", "iptables-restore: line 7 failed\n")
+        return None
+
+    cfg = cfg_of("--sync-period", "0.3")
+    rig = Rig(cfg, respond)
+    async with rig:
+        await rig.synced()
+        good = rig.proxier.applied_version
+        before = metric("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total")
+        fail["on"] = True
+        sl = rig.store.current.slices[("kube-system", "kube-dns-7fz8q")]
+        rig.store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=sl.endpoints[:1]))
+        for _ in range(100):
+            if rig.proxier.failures:
+                break
+            await asyncio.sleep(0.01)
+        assert rig.proxier.failures >= 1
+        assert "line 7 failed" in rig.proxier.last_error
+        assert rig.proxier.applied_version == good
+        assert metric("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total") == before + 1
+        fail["on"] = False
+        n = len(restores(rig.runner))
+        await rig.synced(rig.store.current.version)   # the retry, after --sync-period
+        argv, text = restores(rig.runner)[n]
+        assert "*mangle" in text     # a full sync
+        assert not any(c.startswith("conntrack") for c in rig.runner.commands()[:n])
+
+
+async def test_periodic_full_sync():
+    rig = Rig(cfg_of("--sync-period", "0.2"))
+    async with rig:
+        await rig.synced()
+        await asyncio.sleep(0.5)
+        fulls = [t for _, t in restores(rig.runner) if "*mangle" in t]
+        assert len(fulls) >= 2
+
+
+async def test_jumps_are_not_inserted_twice():
+    jumps = {"save": ""}
+
+    def respond(argv, stdin):
+        if argv[0].endswith("-save"):
+            return Result(argv, 0, jumps["save"])
+        if "-C" in argv:
+            return Result(argv, 1, "", "iptables: Bad rule (does a matching rule exist in that chain?).")
+        return None
+
+    cfg = cfg_of("--sync-period", "0.2")
+    rig = Rig(cfg, respond)
+    async with rig:
+        await rig.synced()
+        from clusterdns.proxy import iptables
+        # The kernel now holds every jump but one.
+        wanted = iptables.jump_rules(cfg, 4)
+        jumps["save"] = "*nat\n" + "".join(f"-A {c} {s}\n" for t, c, s in wanted[1:]) + "COMMIT\n"
+        n = len(rig.runner.calls)
+        await asyncio.sleep(0.45)
+        later = rig.runner.commands()[n:]
+        texts = [s for a, s in rig.runner.calls[n:] if a[0].endswith("-restore")]
+        assert texts and all("-I " not in t for t in texts)
+        t, c, _ = wanted[0]
+        assert any(f"-t {t} -I {c}" in cmd for cmd in later)
+
+
+async def test_dual_stack_programs_both_families():
+    rig = Rig(cfg_of("--node-ip", "fd00::2"))
+    async with rig:
+        await rig.synced()
+        tools = {a[0] for a, _ in restores(rig.runner)}
+        assert tools == {"iptables-nft-restore", "ip6tables-nft-restore"}
+
+
+async def test_nftables_mode_applies_with_nft():
+    pytest.importorskip("clusterdns.proxy.nftables")
+    rig = Rig(cfg_of("--proxy-mode", "nftables"))
+    async with rig:
+        await rig.synced()
+        (argv, text), = [(a, s) for a, s in rig.runner.calls if a[:2] == ("nft", "-f")]
+        assert "kube-proxy" in text
+
+
+async def test_mode_none_writes_nothing_but_reports_synced():
+    rig = Rig(cfg_of("--proxy-mode", "none"))
+    async with rig:
+        await rig.synced()
+        assert rig.runner.calls == []
+
+
+async def test_dry_run_prints_instead_of_applying():
+    out = io.StringIO()
+    cfg = load([a for a in BASE if a != "--apply"] + ["--dry-run"], env={})
+    store = StateStore()
+    publish(store, demo_records())
+    proxier = px.Proxier(cfg, store, out=out)
+    task = asyncio.create_task(proxier.run())
+    assert await proxier.wait_synced(timeout=3)
+    await proxier.stop()
+    await asyncio.wait_for(task, 2)
+    text = out.getvalue()
+    assert text.startswith("# iptables-") and "KUBE-SERVICES" in text and "172.20.36.232" in text
+    assert proxier.applied_version == store.current.version
+
+
+def test_node_families():
+    assert px.node_families(cfg_of()) == [4]
+    assert px.node_families(cfg_of("--node-ip", "fd00::2")) == [4, 6]
+
+
+# ---------------------------------------------------------------- health
+
+def test_proxier_health_semantics():
+    now = [1000.0]
+    h = ProxierHealth(60.0, clock=lambda: now[0])
+    assert h.respond("/healthz")[0] == 200
+    h.queued_update()
+    now[0] += 59
+    assert h.respond("/healthz")[0] == 200
+    now[0] += 2
+    status, headers, body = h.respond("/healthz")
+    assert status == 503
+    doc = json.loads(body)
+    assert doc["lastUpdated"] == "0001-01-01T00:00:00Z" and doc["currentTime"].endswith("Z")
+    h.updated()
+    assert h.respond("/healthz")[0] == 200 and h.respond("/livez")[0] == 200
+    assert h.respond("/nope")[0] == 404
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _get(port, path="/"):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode(), body
+
+
+async def test_service_health_servers_follow_local_endpoints():
+    cfg = cfg_of()
+    store = StateStore()
+    publish(store, demo_records())
+    counts = local_endpoint_counts(store.current, cfg.node_name)
+    assert counts == {("testapp", "testapp-lb"): (32000, 1)}
+    port = _free_port()
+    servers = ServiceHealthServers("127.0.0.1")
+    await servers.sync({("testapp", "testapp-lb"): (port, 2)})
+    status, head, body = await _get(port)
+    assert status == 200 and "X-Load-Balancing-Endpoint-Weight: 2" in head
+    assert json.loads(body)["localEndpoints"] == 2
+    await servers.sync({("testapp", "testapp-lb"): (port, 0)})
+    assert (await _get(port))[0] == 503
+    await servers.sync({})
+    assert servers.ports == set()
+    with pytest.raises(OSError):
+        await _get(port)
+    await servers.close()
+
+
+def test_terminating_endpoints_do_not_count_for_health():
+    store = StateStore()
+    publish(store, demo_records())
+    sl = next(s for s in store.current.slices.values() if s.service == "testapp-lb")
+    eps = tuple(dataclasses.replace(e, ready=False, terminating=True) if e.node_name == "node-a" else e
+                for e in sl.endpoints)
+    store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=eps))
+    assert local_endpoint_counts(store.current, "node-a")[("testapp", "testapp-lb")][1] == 0
+
+
+# ---------------------------------------------------------------- cleanup
+
+SAVE = """*nat
+:PREROUTING ACCEPT [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-ABCDEFGHIJKLMNOP - [0:0]
+:KUBE-KUBELET-CANARY - [0:0]
+:OTHER-CHAIN - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -j OTHER-CHAIN
+COMMIT
+"""
+
+
+async def test_cleanup_removes_ours_only():
+    def respond(argv, stdin):
+        if argv == ("iptables-nft-save",):
+            return Result(argv, 0, SAVE)
+        if argv[0] == "nft" and argv[1] == "list":
+            return Result(argv, 0, "table ip filter\n")
+        if argv[:3] == ("ip", "link", "show"):
+            return Result(argv, 1, "", "Device does not exist")
+        return Result(argv, 0, "")
+
+    runner = RecordingRunner(respond)
+    done = await px.cleanup(cfg_of(), runner)
+    assert done == ["iptables-nft IPv4"]
+    (argv, text), = restores(runner)
+    assert "-X KUBE-SVC-ABCDEFGHIJKLMNOP" in text and "-X KUBE-SERVICES" in text
+    assert "-D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES" in text
+    assert "OTHER-CHAIN" not in text and "KUBE-KUBELET-CANARY" not in text
+    assert not any(a[:2] == ("nft", "-f") for a, _ in runner.calls)
