@@ -314,9 +314,9 @@ class Reflector:
             delay = 0.0
             try:
                 if need_list:
+                    await self.list()
                     if reason != "initial":
                         relists_total.labels(self._r, reason).inc()
-                    await self.list()
                     need_list = False
                     self.backoff.reset()
                 if await self.watch():
