@@ -30,12 +30,12 @@ async def serve(cfg: Config) -> int:
     try:
         await service.start()
     except OSError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(exc.strerror or str(exc)) from None
     try:
         await health.start()
     except OSError as exc:
         await service.stop()
-        raise UsageError(str(exc)) from None
+        raise UsageError(exc.strerror or str(exc)) from None
     log.info("%s", banner(service))
     if health.bound:
         log.info("health, ready and metrics on %s", ", ".join(f"{h}:{p}" for h, p in health.bound))

@@ -233,3 +233,350 @@ def test_error_reply_from_raw_bytes():
     assert str(r.q.qname) == "Example.ORG." and r.q.qtype == dnslib.QTYPE.MX
     assert error_reply(b"\x01\x02", 2) is None
     assert dnslib.DNSRecord.parse(error_reply(b"\x12\x34" + b"\x00" * 4 + b"\x00" * 6 + b"\x05ab", 1)).header.q == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Part 2: the real engine, in-process and as `python3 -m clusterdns dns`.
+
+DEMO = ROOT / "clusterdns" / "demo" / "cluster.yaml"
+HEADLESS_IPS = [f"10.99.{i // 200}.{i % 200 + 1}" for i in range(100)]
+
+
+def big_headless_manifest() -> str:
+    """A headless service with 100 ready endpoints: too big for UDP, whole over TCP."""
+    import json
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "big", "namespace": "testapp"},
+         "spec": {"clusterIP": "None", "clusterIPs": ["None"], "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+         "metadata": {"name": "big-1", "namespace": "testapp", "labels": {"kubernetes.io/service-name": "big"}},
+         "addressType": "IPv4", "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+         "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in HEADLESS_IPS]},
+    ]})
+
+
+def free_port() -> int:
+    """A port free for both UDP and TCP on 127.0.0.1 (for subprocess servers)."""
+    for _ in range(50):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.bind(("127.0.0.1", 0))
+        port = u.getsockname()[1]
+        t = socket.socket()
+        try:
+            t.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            u.close()
+            t.close()
+    raise RuntimeError("no free port")
+
+
+class ServerProcess:
+    """`python3 -m clusterdns dns ...` as a subprocess, waited for until it answers."""
+
+    def __init__(self, *args: str, port: int | None = None, http: bool = False) -> None:
+        self.port = port or free_port()
+        self.http_port = free_port() if http else None
+        hl = f"127.0.0.1:{self.http_port}" if http else "none"
+        self.argv = [sys.executable, "-m", "clusterdns", "dns", "--listen", f"127.0.0.1:{self.port}",
+                     "--metrics-listen", hl, "--health-listen", hl, *args]
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                dns.query.udp(dns.message.make_query("dns-version.cluster.local.", "TXT"), "127.0.0.1",
+                              port=self.port, timeout=0.2)
+                return
+            except (dns.exception.Timeout, OSError):
+                continue
+        self.stop()
+        raise RuntimeError("server did not answer within 15 s")
+
+    def query(self, name: str, rdtype: str = "A", tcp: bool = False, **kw) -> dns.message.Message:
+        q = dns.message.make_query(name, rdtype, **kw)
+        send = dns.query.tcp if tcp else dns.query.udp
+        return send(q, "127.0.0.1", port=self.port, timeout=3)
+
+    def dig(self, *args: str) -> str:
+        return subprocess.run(["dig", "@127.0.0.1", "-p", str(self.port), "+time=3", "+tries=1", *args],
+                              capture_output=True, text=True, timeout=10).stdout
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        out, _ = self.proc.communicate(timeout=10)
+        return out
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory):
+    d = tmp_path_factory.mktemp("manifests")
+    big = d / "big.json"
+    big.write_text(big_headless_manifest())
+    return [str(DEMO), str(big)]
+
+
+@pytest.fixture(scope="module")
+def server(manifests):
+    srv = ServerProcess("--manifest", manifests[0], "--manifest", manifests[1], "--no-upstream", http=True)
+    yield srv
+    srv.stop()
+
+
+needs_dig = pytest.mark.skipif(shutil.which("dig") is None, reason="dig (bind9-dnsutils) not installed")
+
+
+@needs_dig
+def test_dig_udp_and_tcp(server):
+    assert server.dig("+short", "testapp-svc.testapp.svc.cluster.local").split() == ["172.20.36.232"]
+    assert server.dig("+short", "+tcp", "TESTAPP-SVC.testapp.svc.cluster.local").split() == ["172.20.36.232"]
+    out = server.dig("testapp-svc.testapp.svc.cluster.local")
+    assert "status: NOERROR" in out and "flags: qr aa rd" in out and "udp: 1232" in out
+    assert "status: NXDOMAIN" in server.dig("nope.testapp.svc.cluster.local")
+
+
+def test_question_echoed_exactly(server):
+    r = server.query("TestApp-Svc.TESTAPP.svc.Cluster.Local.")
+    assert r.question[0].name.to_text() == "TestApp-Svc.TESTAPP.svc.Cluster.Local."
+    assert r.answer[0][0].address == "172.20.36.232"
+
+
+def test_truncation_without_edns_with_edns_and_tcp(server):
+    name = "big.testapp.svc.cluster.local."
+    plain = server.query(name)                                  # no EDNS: 512 bytes
+    assert plain.flags & dns.flags.TC and len(plain.to_wire()) <= 512
+    edns = server.query(name, use_edns=0, payload=4096)         # offered 4096, we never exceed 1232
+    assert edns.flags & dns.flags.TC and len(edns.to_wire()) <= 1232
+    assert edns.payload == 1232
+    whole = server.query(name, tcp=True)
+    assert not whole.flags & dns.flags.TC
+    assert sorted(rr.address for rr in whole.answer[0]) == sorted(HEADLESS_IPS)
+
+
+@needs_dig
+def test_dig_retries_truncated_answer_over_tcp(server):
+    out = server.dig("+ignore", "+noedns", "big.testapp.svc.cluster.local")
+    assert "flags: qr aa tc rd" in out.replace(" ra", "")
+    out = server.dig("big.testapp.svc.cluster.local")          # dig falls back to TCP by itself
+    assert "ANSWER: 100" in out and "(TCP)" in out
+
+
+def test_edns_echo_and_badvers(server):
+    r = server.query("testapp-svc.testapp.svc.cluster.local.", use_edns=0, payload=4096, want_dnssec=True)
+    assert r.edns == 0 and r.payload == 1232 and r.ednsflags & dns.flags.DO
+    r = server.query("testapp-svc.testapp.svc.cluster.local.", use_edns=1)
+    assert r.rcode() == dns.rcode.BADVERS and not r.answer
+
+
+def test_tcp_pipelining_with_the_real_engine(server):
+    names = ["testapp-svc.testapp.svc.cluster.local.", "kube-dns.kube-system.svc.cluster.local.",
+             "nope.testapp.svc.cluster.local.", "big.testapp.svc.cluster.local."] * 3
+    with socket.create_connection(("127.0.0.1", server.port), timeout=3) as s:
+        wanted = {}
+        for n in names:
+            m = dns.message.make_query(n, "A")
+            wanted[m.id] = n
+            w = m.to_wire()
+            s.sendall(struct.pack("!H", len(w)) + w)
+        buf = b""
+        got = {}
+        while len(got) < len(names):
+            chunk = s.recv(65536)
+            assert chunk, "server closed the connection early"
+            buf += chunk
+            while len(buf) >= 2 and len(buf) >= 2 + struct.unpack("!H", buf[:2])[0]:
+                size = struct.unpack("!H", buf[:2])[0]
+                r = dns.message.from_wire(buf[2:2 + size])
+                buf = buf[2 + size:]
+                got[r.id] = r
+    assert set(got) == set(wanted)
+    for i, r in got.items():
+        if wanted[i].startswith("nope"):
+            assert r.rcode() == dns.rcode.NXDOMAIN
+        else:
+            assert r.rcode() == dns.rcode.NOERROR and r.answer
+
+
+def test_no_upstream_refuses_outside_names(server):
+    assert server.query("www.example.org.").rcode() == dns.rcode.REFUSED
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_health_ready_and_metrics_of_the_command(server):
+    assert http_get(server.http_port, "/health") == (200, "OK")
+    assert http_get(server.http_port, "/ready") == (200, "OK")
+    server.query("kube-dns.kube-system.svc.cluster.local.", "SRV")
+    status, text = http_get(server.http_port, "/metrics")
+    assert status == 200
+    srv = f'server="dns://127.0.0.1:{server.port}"'
+    counted = [ln for ln in text.splitlines() if ln.startswith("coredns_dns_requests_total") and srv in ln
+               and 'type="SRV"' in ln]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1
+    assert "coredns_dns_responses_total" in text and "coredns_dns_request_duration_seconds_bucket" in text
+
+
+def test_sigterm_lameduck_keeps_answering_then_exits_zero(manifests):
+    srv = ServerProcess("--manifest", manifests[0], "--no-upstream", "--lameduck", "1.5", http=True)
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert srv.query("testapp-svc.testapp.svc.cluster.local.").answer   # still answering
+        assert http_get(srv.http_port, "/health")[0] == 200
+        status, body = http_get(srv.http_port, "/ready")
+        assert status == 503 and "lameduck" in body
+        assert srv.proc.wait(timeout=5) == 0
+    finally:
+        srv.stop()
+
+
+def test_bind_failure_exits_2_with_one_line(server, manifests):
+    r = subprocess.run([sys.executable, "-m", "clusterdns", "dns", "--manifest", manifests[0], "--listen",
+                        f"127.0.0.1:{server.port}", "--metrics-listen", "none", "--health-listen", "none"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("clusterdns: cannot listen on 127.0.0.1:") and "in use" in last
+
+
+def test_unreadable_manifest_exits_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "clusterdns", "dns", "--manifest", str(tmp_path / "missing.yaml"),
+                        "--listen", "127.0.0.1:0", "--metrics-listen", "none", "--health-listen", "none"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
+
+
+# -- in-process: reload, forwarding through the server, loop detection ------------------------
+
+async def start_inprocess(*args: str, manifest: str | None = None, port: int = 0):
+    from clusterdns.sources import loader
+    cfg = load(["dns", "--manifest", manifest or str(DEMO), "--listen", f"127.0.0.1:{port}",
+                "--metrics-listen", "none", "--health-listen", "none", *args])
+    store = StateStore()
+    source = loader.make_source(cfg, store)
+    source.interval = 0.1
+    service = DnsService(cfg, store)
+    await service.start()
+    task = asyncio.ensure_future(source.run())
+    return service, task
+
+
+async def stop_inprocess(service, task):
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await service.stop()
+
+
+async def aquery(service, name, rdtype="A", tcp=False, timeout=3.0):
+    host, port = service.bound[0]
+    q = dns.message.make_query(name, rdtype)
+    if tcp:
+        return await dns.asyncquery.tcp(q, host, port=port, timeout=timeout)
+    return await dns.asyncquery.udp(q, host, port=port, timeout=timeout)
+
+
+async def test_changed_manifest_served_within_a_second_and_broken_one_keeps_last_good(tmp_path, caplog):
+    path = tmp_path / "cluster.yaml"
+    demo = DEMO.read_text()
+    path.write_text(demo)
+    service, task = await start_inprocess("--no-upstream", manifest=str(path))
+    try:
+        new = "newsvc.testapp.svc.cluster.local."
+        assert (await aquery(service, new)).rcode() == dns.rcode.NXDOMAIN
+        extra = ("\n---\napiVersion: v1\nkind: Service\nmetadata: {name: newsvc, namespace: testapp}\n"
+                 "spec: {clusterIP: 172.20.99.99, clusterIPs: [172.20.99.99], ports: [{port: 80, protocol: TCP}]}\n")
+        # The demo is a List document; append the new Service as another YAML document.
+        path.write_text(demo + extra)
+        started = time.monotonic()
+        while True:
+            r = await aquery(service, new)
+            if r.answer:
+                break
+            assert time.monotonic() - started < 1.0, "change not served within one second"
+            await asyncio.sleep(0.05)
+        assert r.answer[0][0].address == "172.20.99.99"
+        path.write_text(demo + extra + "\n---\n: : broken [yaml\n")
+        await asyncio.sleep(0.5)
+        assert any("keeping the last good state" in rec.getMessage() for rec in caplog.records)
+        r = await aquery(service, new)
+        assert r.answer[0][0].address == "172.20.99.99"      # the last good state still serves
+    finally:
+        await stop_inprocess(service, task)
+
+
+async def test_forwarding_cache_and_failover_through_the_server():
+    from test_forward import RECORDS, FakeUpstream, closed_port
+    up = await FakeUpstream(RECORDS).start()
+    service, task = await start_inprocess("--upstream", f"127.0.0.1:{closed_port()}",
+                                          "--upstream", f"127.0.0.1:{up.port}")
+    try:
+        for proto in (False, True, False):
+            r = await aquery(service, "www.example.", tcp=proto)
+            assert r.rcode() == dns.rcode.NOERROR and r.answer[0][0].address == "192.0.2.1"
+        # Loop-probe (HINFO) queries aside, only one query for www reached the upstream: the cache served the rest.
+        assert sum(1 for p, n, t in up.received if n == "www.example.") == 1
+        r = await aquery(service, "missing.example.")
+        assert r.rcode() == dns.rcode.NXDOMAIN
+        # Cluster names never reach the upstream.
+        await aquery(service, "testapp-svc.testapp.svc.cluster.local.")
+        assert all("cluster.local" not in n for _, n, _ in up.received)
+    finally:
+        await stop_inprocess(service, task)
+        await up.stop()
+
+
+async def test_all_upstreams_down_is_servfail_in_bounded_time():
+    from test_forward import closed_port
+    service, task = await start_inprocess("--upstream", f"127.0.0.1:{closed_port()}",
+                                          "--upstream", f"127.0.0.1:{closed_port()}")
+    try:
+        started = time.monotonic()
+        r = await aquery(service, "www.example.", timeout=6)
+        assert r.rcode() == dns.rcode.SERVFAIL and time.monotonic() - started < 5.5
+    finally:
+        await stop_inprocess(service, task)
+
+
+async def test_truncating_upstream_is_retried_over_tcp_and_fitted_to_the_client():
+    from test_forward import RECORDS, FakeUpstream
+    up = await FakeUpstream(RECORDS, truncate_udp=True).start()
+    service, task = await start_inprocess("--upstream", f"127.0.0.1:{up.port}")
+    try:
+        r = await aquery(service, "big.example.")
+        assert r.flags & dns.flags.TC                    # 60 A records do not fit 512 bytes
+        r = await aquery(service, "big.example.", tcp=True)
+        assert len(r.answer[0]) == 60 and not r.flags & dns.flags.TC
+    finally:
+        await stop_inprocess(service, task)
+        await up.stop()
+
+
+async def test_forwarding_loop_is_detected_and_the_upstream_disabled(caplog):
+    port = free_port()
+    service, task = await start_inprocess("--upstream", f"127.0.0.1:{port}", port=port)
+    try:
+        fwd = service.forwarder
+        for _ in range(100):
+            if fwd.upstreams[0].looped:
+                break
+            await asyncio.sleep(0.05)
+        assert fwd.upstreams[0].looped
+        assert any("forwarding loop detected" in r.getMessage() for r in caplog.records)
+        started = time.monotonic()
+        r = await aquery(service, "www.example.")
+        assert r.rcode() == dns.rcode.SERVFAIL and time.monotonic() - started < 1
+        assert (await aquery(service, "testapp-svc.testapp.svc.cluster.local.")).answer  # still serving
+    finally:
+        await stop_inprocess(service, task)
