@@ -1,0 +1,288 @@
+"""The DNS answer engine: bytes in, bytes out, no sockets.
+
+`Engine.fast()` answers ordinary queries for names already answered once in
+this state version from prebuilt wire replies (one dict lookup, an ID / question
+/ EDNS splice); `Engine.resolve()` gives the full behaviour for everything
+(zones, forwarding, fallthrough, ExternalName chasing, autopath, transfers,
+errors) and memoises what it built so that the next identical question takes
+the fast path. Both render through wire.render, so they answer byte for byte
+the same.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import struct
+from typing import Callable, Protocol
+
+import dnslib
+from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
+
+from ..config import Config
+from ..state import ClusterState
+from . import names
+from .names import Labels
+from .wire import (ANY, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE,
+                   QR, AA, RD, REFUSED, SERVFAIL, TC, Body, Entry, opt_record, pack_body, qname_labels,
+                   question_end, render, rotations, udp_limit)
+from .zone import Answer, ZoneView
+
+log = logging.getLogger(__name__)
+
+MEMO_LIMIT = 200_000          # prebuilt answers kept per state version
+_FLAGS_MASK_UPSTREAM = 0x87FF  # QR..RCODE of an upstream reply, opcode cleared
+
+
+class Forwarder(Protocol):
+    async def query(self, request: dnslib.DNSRecord, tcp: bool) -> dnslib.DNSRecord | None:
+        """Ask the upstreams; None when every upstream failed. The reply's id/question are the request's."""
+        ...
+
+
+class _Query:
+    """What resolve() learnt from a query's bytes."""
+    __slots__ = ("data", "qend", "labels", "raw_labels", "qtype", "edns", "do", "tcp", "client_ip", "record")
+
+    def __init__(self, data: bytes, tcp: bool, client_ip: str) -> None:
+        self.data, self.tcp, self.client_ip = data, tcp, client_ip
+        self.qend = -1
+        self.labels: Labels = ()
+        self.raw_labels: tuple[bytes, ...] = ()
+        self.qtype = 0
+        self.edns: int | None = None   # the client's UDP payload size, None without EDNS
+        self.do = False
+        self.record: DNSRecord | None = None
+
+    @property
+    def question(self) -> bytes:
+        return self.data[12:self.qend] if self.qend > 0 else b""
+
+
+class Engine:
+    """Answers DNS queries from the current zone view."""
+
+    def __init__(self, cfg: Config, forwarder: Forwarder | None = None,
+                 server_addresses: Callable[[], list[str]] = lambda: []) -> None:
+        self.cfg = cfg
+        self.forwarder = None if cfg.no_upstream else forwarder
+        self.server_addresses = server_addresses
+        self.selector = names.parse_selector(cfg.namespace_labels) if cfg.namespace_labels else None
+        self.udp_size = cfg.udp_size
+        self._opt = opt_record(cfg.udp_size, False)
+        self._opt_do = opt_record(cfg.udp_size, True)
+        self._memoise_nx = not cfg.autopath and cfg.fallthrough is None
+        self._fall = None if cfg.fallthrough is None else [names.split_name(z) for z in cfg.fallthrough]
+        self._view = ZoneView(cfg, None, None, self.selector, server_addresses)
+
+    # --- state -------------------------------------------------------------------------
+
+    def update(self, state: ClusterState) -> None:
+        """Compile the zone view of `state` and swap it in (one assignment)."""
+        self._view = ZoneView(self.cfg, state, self._view, self.selector, self.server_addresses)
+
+    @property
+    def synced(self) -> bool:
+        return self._view.synced
+
+    @property
+    def view(self) -> ZoneView:
+        return self._view
+
+    # --- fast path -----------------------------------------------------------------------
+
+    def fast(self, data: bytes, tcp: bool) -> bytes | None:
+        """A prebuilt answer for an ordinary query, or None (then call resolve())."""
+        n = len(data)
+        if n < 17 or data[2] & 0xF8:          # QR set or opcode != QUERY
+            return None
+        counts = data[4:12]
+        end = data.find(b"\x00", 12)
+        if end < 0:
+            return None
+        qend = end + 5
+        if counts == b"\x00\x01\x00\x00\x00\x00\x00\x00":
+            if qend != n:
+                return None
+            opt, limit = b"", (MAX_TCP if tcp else 512)
+        elif counts == b"\x00\x01\x00\x00\x00\x00\x00\x01":
+            # exactly one OPT: root owner, version 0, no options
+            if n != qend + 11 or data[qend:qend + 3] != b"\x00\x00\x29" or data[qend + 5:qend + 7] != b"\x00\x00" \
+                    or data[qend + 9:qend + 11] != b"\x00\x00":
+                return None
+            opt = self._opt_do if data[qend + 7] & 0x80 else self._opt
+            if tcp:
+                limit = MAX_TCP
+            else:
+                size = data[qend + 3] << 8 | data[qend + 4]
+                limit = 512 if size < 512 else (size if size < self.udp_size else self.udp_size)
+        else:
+            return None
+        if data[end + 3:qend] != b"\x00\x01":
+            return None
+        entry = self._view.memo.get(data[12:end + 1].lower() + data[end + 1:end + 3])
+        if entry is None:
+            return None
+        bodies = entry.bodies
+        body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
+        flags = entry.flags | ((data[2] << 8 | data[3]) & 0x0110)
+        if 12 + (qend - 12) + len(body.data) + len(opt) > limit:
+            return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
+        return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
+                         data[12:qend], body.data, opt))
+
+    # --- full path -----------------------------------------------------------------------
+
+    async def resolve(self, data: bytes, client_ip: str, tcp: bool) -> bytes | list[bytes] | None:
+        """Answer any query; a list of messages only for zone transfers; None to drop it."""
+        try:
+            return await self._resolve(data, client_ip, tcp)
+        except Exception:  # never raise into the server: answer SERVFAIL
+            log.exception("failed to answer a query")
+            if len(data) < 12 or data[2] & 0x80:
+                return None
+            q = _Query(data, tcp, client_ip)
+            qe = question_end(data) if data[4:6] == b"\x00\x01" else -1
+            q.qend = qe
+            return self._error(q, SERVFAIL, qdcount=1 if qe > 0 else 0)
+
+    def _limit(self, q: _Query) -> int:
+        return MAX_TCP if q.tcp else udp_limit(q.edns, self.udp_size)
+
+    def _opt_for(self, q: _Query) -> bytes:
+        if q.edns is None:
+            return b""
+        return self._opt_do if q.do else self._opt
+
+    def _error(self, q: _Query, rcode: int, qdcount: int | None = None, aa: bool = False) -> bytes:
+        if qdcount is None:
+            qdcount = 1 if q.qend > 0 else 0
+        flags = QR | (AA if aa else 0) | (q.data[2] << 8 & 0x7800) | rcode
+        question = q.question if qdcount else b""
+        return render(EMPTY, flags, q.data, question, qdcount, self._opt_for(q), self._limit(q))
+
+    def _render_entry(self, q: _Query, entry: Entry) -> bytes:
+        bodies = entry.bodies
+        body = bodies[q.data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
+        return render(body, entry.flags, q.data, q.question, 1, self._opt_for(q), self._limit(q))
+
+    async def _resolve(self, data: bytes, client_ip: str, tcp: bool) -> bytes | list[bytes] | None:
+        if len(data) < 12 or data[2] & 0x80:    # unreadable header, or a response: drop
+            return None
+        q = _Query(data, tcp, client_ip)
+        qdcount = data[4] << 8 | data[5]
+        opcode = (data[2] >> 3) & 0xF
+        if qdcount == 1:
+            q.qend = question_end(data)
+        if opcode != 0:
+            return self._error(q, NOTIMP, qdcount=1 if q.qend > 0 else 0)
+        try:
+            record = DNSRecord.parse(data)
+        except (DNSError, Exception):
+            q.qend = -1
+            return self._error(q, FORMERR, qdcount=0)
+        q.record = record
+        opts = [rr for rr in record.ar if rr.rtype == OPT_TYPE]
+        if len(opts) > 1 or (opts and opts[0].rname.label != ()):
+            return self._error(q, FORMERR)
+        if opts:
+            q.edns = opts[0].rclass
+            q.do = bool(opts[0].ttl & 0x8000)
+            if (opts[0].ttl >> 16) & 0xFF:
+                flags = QR | (data[2] << 8 & 0x7800)
+                opt = opt_record(self.udp_size, q.do, BADVERS >> 4)
+                return render(EMPTY, flags, data, q.question, 1 if q.qend > 0 else 0, opt, self._limit(q))
+        if qdcount == 0:
+            return self._error(q, SERVFAIL)
+        if qdcount > 1 or q.qend < 0:
+            return self._error(q, FORMERR, qdcount=0 if q.qend < 0 else None)
+        qtype, qclass = struct.unpack_from(">HH", data, q.qend - 4)
+        q.qtype = qtype
+        if qclass != 1:
+            return self._error(q, REFUSED)
+        q.raw_labels = qname_labels(data, q.qend)
+        q.labels = tuple(l.lower().decode("latin-1") for l in q.raw_labels)
+        view = self._view
+        if qtype in (AXFR, IXFR):
+            return await self._transfer(q, view)
+        key = data[12:q.qend - 4].lower() + data[q.qend - 4:q.qend - 2]
+        entry = view.memo.get(key)
+        if entry is not None:
+            return self._render_entry(q, entry)
+        zone = names.zone_of(q.labels, view.zones)
+        if zone is None:
+            return await self._forward(q)
+        ans = view.lookup(q.labels, qtype)
+        if ans.rcode == NXDOMAIN:
+            if self._fall is not None and self._falls_through(q.labels):
+                if self.forwarder is not None:
+                    return await self._forward(q)
+            if self.cfg.autopath:
+                reply = await self._autopath(q, view)
+                if reply is not None:
+                    return reply
+        if ans.chase is not None:
+            return await self._chase_upstream(q, ans)
+        entry = self._entry(q, ans)
+        if entry.cacheable and view.synced and (ans.rcode != NXDOMAIN or self._memoise_nx):
+            memo = view.memo
+            if len(memo) >= MEMO_LIMIT:
+                memo.clear()
+            memo[key] = entry
+        return self._render_entry(q, entry)
+
+    def _entry(self, q: _Query, ans: Answer) -> Entry:
+        lower = tuple(l.lower() for l in q.raw_labels)
+        flags = QR | AA | ans.rcode
+        variants = rotations(ans.answer) if len(ans.answer) > 1 else [ans.answer]
+        bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in variants]
+        return Entry(flags, bodies, ans.cacheable)
+
+    def _falls_through(self, labels: Labels) -> bool:
+        if not self._fall:
+            return True
+        return any(names.is_subdomain(labels, z) for z in self._fall)
+
+    # --- upstream ------------------------------------------------------------------------
+
+    async def _forward(self, q: _Query) -> bytes:
+        """A name outside the zones (or falling through): the upstream's answer, our ID and question."""
+        if self.forwarder is None:
+            return self._error(q, REFUSED)
+        request = q.record
+        reply = await self.forwarder.query(request, q.tcp)
+        if reply is None:
+            return self._error(q, SERVFAIL)
+        return self._upstream_reply(q, reply)
+
+    def _upstream_reply(self, q: _Query, reply: DNSRecord, prefix: list | None = None) -> bytes:
+        flags = (reply.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
+        extra = [rr for rr in reply.ar if rr.rtype != OPT_TYPE]
+        answer = (prefix or []) + list(reply.rr)
+        body = pack_body(q.raw_labels, answer, reply.auth, extra)
+        return render(body, flags, q.data, q.question, 1, self._opt_for(q), self._limit(q))
+
+    async def _chase_upstream(self, q: _Query, ans: Answer) -> bytes:
+        """ExternalName with an out-of-zone target: CNAME(s) + the upstream's records, TC passed on."""
+        if self.forwarder is None:
+            return self._render_entry(q, self._entry(q, ans))
+        target = ".".join(ans.chase) + "."
+        request = DNSRecord(DNSHeader(id=random.randint(0, 0xFFFF), rd=1),
+                            q=DNSQuestion(target, q.qtype))
+        reply = await self.forwarder.query(request, q.tcp)
+        if reply is None:
+            return self._error(q, SERVFAIL, aa=False)
+        records = [rr for rr in reply.rr]
+        flags = QR | AA | (reply.header.bitmap & TC)
+        body = pack_body(tuple(l.lower() for l in q.raw_labels), ans.answer + records, [], [])
+        return render(body, flags, q.data, q.question, 1, self._opt_for(q), self._limit(q))
+
+    # --- later features ------------------------------------------------------------------
+
+    async def _autopath(self, q: _Query, view: ZoneView) -> bytes | None:
+        return None
+
+    async def _transfer(self, q: _Query, view: ZoneView) -> bytes | list[bytes]:
+        return self._error(q, REFUSED)
+
+
+__all__ = ["Engine", "Forwarder"]

@@ -1,0 +1,149 @@
+"""DNS wire helpers the engine needs and dnslib lacks: prebuilt reply bodies,
+rendering with the client's ID / question spelling / EDNS, and truncation.
+
+A reply is stored as a `Body`: the packed resource records that follow the
+question, built once against the lower-cased question, so that compression
+pointers aim at the question (offset 12) or backwards. Rendering a query is
+then: the client's ID, our flags and counts, the client's question bytes
+(same length, so every pointer still holds and owner names echo its case),
+the body, and our OPT record. Truncation keeps a prefix of the records: as
+pointers only go backwards, any prefix is a valid message.
+"""
+from __future__ import annotations
+
+import struct
+from bisect import bisect_right
+from typing import Iterable, Sequence
+
+from dnslib import QTYPE, RR, DNSLabel
+from dnslib.buffer import BufferError as DNSBufferError
+from dnslib.label import DNSBuffer
+
+QR, AA, TC, RD, RA, AD, CD = 0x8000, 0x0400, 0x0200, 0x0100, 0x0080, 0x0020, 0x0010
+NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 2, 3, 4, 5
+BADVERS = 16
+QUERY_FLAGS = RD | CD            # copied from the query into every reply
+
+OPT_TYPE = 41
+A, NS, CNAME, SOA, PTR, HINFO, TXT, AAAA, SRV = 1, 2, 5, 6, 12, 13, 16, 28, 33
+IXFR, AXFR, ANY = 251, 252, 255
+ADDRESS_TYPES = (A, AAAA)
+
+MAX_UDP_PLAIN = 512
+MAX_TCP = 65535
+
+
+class Body:
+    """Packed records after the question: `data`, end offset of each record, section counts."""
+    __slots__ = ("data", "ends", "an", "ns", "ar")
+
+    def __init__(self, data: bytes, ends: Sequence[int], an: int, ns: int, ar: int) -> None:
+        self.data, self.ends, self.an, self.ns, self.ar = data, tuple(ends), an, ns, ar
+
+
+class Entry:
+    """A complete prebuilt answer: header flags (QR, AA, TC, RA..., rcode) and rotations of the body."""
+    __slots__ = ("flags", "bodies", "cacheable")
+
+    def __init__(self, flags: int, bodies: Sequence[Body], cacheable: bool = True) -> None:
+        self.flags, self.bodies, self.cacheable = flags, tuple(bodies), cacheable
+
+
+def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[RR] = (),
+              additional: Iterable[RR] = ()) -> Body:
+    """Pack records as they follow a question for `qname` (labels as bytes)."""
+    buf = DNSBuffer()
+    buf.append(b"\x00" * 12)
+    buf.encode_name(DNSLabel(tuple(qname)))
+    buf.pack("!HH", 0, 1)
+    start = buf.offset
+    ends: list[int] = []
+    counts = []
+    for section in (answer, authority, additional):
+        k = 0
+        for rr in section:
+            rr.pack(buf)
+            ends.append(buf.offset - start)
+            k += 1
+        counts.append(k)
+    return Body(bytes(buf.data[start:]), ends, *counts)
+
+
+def opt_record(udp_size: int, do: bool, ext_rcode: int = 0) -> bytes:
+    """Our OPT pseudo-record: root owner, no options."""
+    return struct.pack(">BHHBBHH", 0, OPT_TYPE, udp_size, ext_rcode, 0, 0x8000 if do else 0, 0)
+
+
+def render(body: Body, flags: int, query: bytes, question: bytes, qdcount: int, opt: bytes, limit: int) -> bytes:
+    """A reply: ID and RD/CD from `query`, our flags, the question bytes, the body, the OPT.
+
+    Records are dropped from the end until the reply fits `limit`; TC is then set.
+    """
+    qflags = (query[2] << 8 | query[3]) & QUERY_FLAGS if len(query) >= 4 else 0
+    head = query[:2] if len(query) >= 2 else b"\x00\x00"
+    fixed = 12 + len(question) + len(opt)
+    data = body.data
+    an, ns, ar = body.an, body.ns, body.ar
+    if fixed + len(data) > limit:
+        keep = bisect_right(body.ends, limit - fixed)
+        data = data[:body.ends[keep - 1]] if keep else b""
+        an, ns, ar = min(an, keep), min(ns, max(0, keep - an)), max(0, keep - an - ns)
+        flags |= TC
+    return b"".join((head, struct.pack(">HHHHH", flags | qflags, qdcount, an, ns, ar + (1 if opt else 0)),
+                     question, data, opt))
+
+
+EMPTY = Body(b"", (), 0, 0, 0)
+
+
+def question_end(data: bytes) -> int:
+    """Offset just past the first question (name, type, class); -1 if malformed or compressed."""
+    pos = 12
+    n = len(data)
+    while pos < n:
+        length = data[pos]
+        if length == 0:
+            end = pos + 5
+            return end if end <= n and end - 12 <= 259 else -1
+        if length > 63:
+            return -1
+        pos += length + 1
+    return -1
+
+
+def qname_labels(data: bytes, end: int) -> tuple[bytes, ...]:
+    """The raw labels of the question name ending before `end` - 4."""
+    labels = []
+    pos = 12
+    while data[pos]:
+        length = data[pos]
+        labels.append(data[pos + 1:pos + 1 + length])
+        pos += length + 1
+    return tuple(labels)
+
+
+def udp_limit(client_size: int | None, our_size: int) -> int:
+    if client_size is None:
+        return MAX_UDP_PLAIN
+    return max(MAX_UDP_PLAIN, min(client_size, our_size))
+
+
+def rotations(answer: list[RR], max_variants: int = 8) -> list[list[RR]]:
+    """Rotations of the address records of an answer (CNAMEs stay in front), for load balancing."""
+    i = 0
+    while i < len(answer) and answer[i].rtype not in ADDRESS_TYPES:
+        i += 1
+    lead, addrs = answer[:i], answer[i:]
+    n = len(addrs)
+    if n < 2 or any(rr.rtype not in ADDRESS_TYPES for rr in addrs):
+        return [answer]
+    v = min(n, max_variants)
+    out = []
+    for i in range(v):
+        k = i * n // v
+        out.append(lead + addrs[k:] + addrs[:k])
+    return out
+
+
+__all__ = ["Body", "Entry", "pack_body", "render", "opt_record", "question_end", "qname_labels",
+           "udp_limit", "rotations", "DNSBufferError", "QTYPE"]

@@ -1,0 +1,562 @@
+"""The zone view: what the served zones contain, compiled from one ClusterState.
+
+`ZoneView(cfg, state, prev)` indexes the state (per-Service data is reused from
+`prev` when the Service and its EndpointSlices are unchanged, so an update at
+10,000 services costs milliseconds), and `lookup(labels, qtype)` answers one
+question inside a served zone with dnslib records, deciding NXDOMAIN vs NODATA
+as CoreDNS's kubernetes plugin does (see docs/dns.md for where we differ).
+Wire bytes are not made here: the engine packs and memoises them.
+"""
+from __future__ import annotations
+
+import gc
+import ipaddress
+from typing import Callable
+
+from dnslib import AAAA as RD_AAAA
+from dnslib import CNAME as RD_CNAME
+from dnslib import NS as RD_NS
+from dnslib import PTR as RD_PTR
+from dnslib import RR, RD, SOA as RD_SOA, SRV as RD_SRV, TXT as RD_TXT, A as RD_A, DNSLabel
+
+from ..config import Config
+from ..model import EXTERNAL_NAME, IPV4, IPV6, EndpointSlice, Service
+from ..state import ClusterState
+from . import names
+from .names import Labels, Selector
+from .wire import (A, AAAA, ANY, CNAME, NOERROR, NS, NXDOMAIN, PTR, SERVFAIL, SOA, SRV, TXT)
+
+SCHEMA_VERSION = "1.1.0"
+VERSION_TTL = 28800
+HINFO_RDATA = RD(b"\x07RFC8482\x00")   # RFC 8482 section 4.2: the minimal answer to ANY
+
+
+def label(parts: Labels) -> DNSLabel:
+    return DNSLabel(tuple(p.encode("latin-1") for p in parts))
+
+
+class Answer:
+    """One zone answer: rcode and sections (dnslib records)."""
+    __slots__ = ("rcode", "answer", "authority", "additional", "cacheable", "chase", "zone")
+
+    def __init__(self, rcode: int, answer: list | None = None, authority: list | None = None,
+                 additional: list | None = None, cacheable: bool = True,
+                 chase: Labels | None = None, zone: Labels = ()) -> None:
+        self.rcode = rcode
+        self.answer = answer if answer is not None else []
+        self.authority = authority if authority is not None else []
+        self.additional = additional if additional is not None else []
+        self.cacheable = cacheable
+        self.chase = chase          # ExternalName target outside the zones, to ask upstream
+        self.zone = zone
+
+
+class _Res:
+    """A name that exists: records of the asked type (maybe none), whether it holds any data."""
+    __slots__ = ("answer", "additional", "has_data", "cname", "cacheable")
+
+    def __init__(self, answer=None, additional=None, has_data=True, cname=None, cacheable=True):
+        self.answer = answer or []
+        self.additional = additional or []
+        self.has_data = has_data
+        self.cname = cname
+        self.cacheable = cacheable
+
+
+_ENT = _Res(has_data=False)
+
+
+class ServiceData:
+    """What DNS needs of one Service and its EndpointSlices; reused while both are unchanged."""
+    __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "ready", "_by_name", "target")
+
+    def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool):
+        self.svc, self.slices = svc, slices
+        if svc.type == EXTERNAL_NAME:
+            self.kind = "external"
+            self.target = names.split_name(svc.external_name)
+        elif svc.headless or not svc.cluster_ips:
+            self.kind = "headless"
+            self.target = ()
+        else:
+            self.kind = "cluster"
+            self.target = ()
+        self.ips4 = tuple(ip for ip in svc.cluster_ips if ":" not in ip)
+        self.ips6 = tuple(ip for ip in svc.cluster_ips if ":" in ip)
+        ready = []    # (endpoint name, address, ports of its slice)
+        if not noendpoints and self.kind != "external":
+            for sl in slices:
+                if sl.address_type not in (IPV4, IPV6):
+                    continue
+                for ep in sl.endpoints:
+                    if not ep.ready:
+                        continue
+                    for ip in ep.addresses:
+                        ready.append((names.endpoint_name(ep.hostname, ep.pod_name, ip, pod_names), ip, sl.ports))
+        self.ready = tuple(ready)
+        self._by_name: dict[str, list[str]] | None = None
+
+    def by_name(self) -> dict[str, list[str]]:
+        if self._by_name is None:
+            out: dict[str, list[str]] = {}
+            for name, ip, _ in self.ready:
+                ips = out.setdefault(name, [])
+                if ip not in ips:
+                    ips.append(ip)
+            self._by_name = out
+        return self._by_name
+
+    def ready_ips(self, v6: bool) -> list[str]:
+        seen: dict[str, None] = {}
+        for _, ip, _ in self.ready:
+            if (":" in ip) == v6:
+                seen[ip] = None
+        return list(seen)
+
+
+def _match(want: str, have: str) -> bool:
+    return want == have.lower()
+
+
+class ZoneView:
+    """The served zones as of one state version (immutable once built, except memo)."""
+
+    def __init__(self, cfg: Config, state: ClusterState | None = None, prev: "ZoneView | None" = None,
+                 selector: Selector | None = None,
+                 server_addresses: Callable[[], list[str]] = lambda: []) -> None:
+        self.cfg = cfg
+        self.state = state if state is not None else ClusterState()
+        st = self.state
+        self.selector = selector
+        self.server_addresses = server_addresses
+        self.ttl = cfg.ttl
+        self.serial = st.serial & 0xFFFFFFFF
+        needed = ["Service", "EndpointSlice"]
+        if cfg.namespace_labels:
+            needed.append("Namespace")
+        if cfg.pods == "verified" or cfg.autopath:
+            needed.append("Pod")
+        self.synced = state is not None and st.is_synced(*needed)
+        zones = [names.split_name(z) for z in cfg.zones]
+        self.zones = sorted(zones, key=len, reverse=True)
+        forward = [z for z in zones if not names.is_reverse(z)]
+        self.primary: Labels = forward[0] if forward else zones[0]
+        self.memo: dict[bytes, object] = {}
+        if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
+            prev = None
+        gc_was = gc.isenabled()
+        gc.disable()   # compiling allocates many small objects: collections would only rescan the state
+        try:
+            self.by_service = self._group_slices(prev)
+            self.services = self._compile_services(prev)
+            self.svc_namespaces = {k[0] for k in self.services}
+            self._exposed: dict[str, bool] = {}
+            self.cips, self.eps = self._index_addresses(prev)
+        finally:
+            if gc_was:
+                gc.enable()
+
+    # --- compile ---------------------------------------------------------------------
+
+    def _group_slices(self, prev: "ZoneView | None") -> dict[tuple[str, str], tuple[EndpointSlice, ...]]:
+        """EndpointSlices by Service, patched from the previous view when only a few changed."""
+        new = self.state.slices
+        if prev is None:
+            groups: dict[tuple[str, str], list[EndpointSlice]] = {}
+            for key in sorted(new):
+                sl = new[key]
+                groups.setdefault(sl.service_key, []).append(sl)
+            return {k: tuple(v) for k, v in groups.items()}
+        old = prev.state.slices
+        if old is new:
+            return prev.by_service
+        by_service = dict(prev.by_service)
+        touched: dict[tuple[str, str], dict] = {}
+        changed = [k for k, v in new.items() if old.get(k) is not v]
+        changed += [k for k in old if k not in new]
+        for k in changed:
+            o, n = old.get(k), new.get(k)
+            if o is not None:
+                cur = touched.get(o.service_key)
+                if cur is None:
+                    cur = touched[o.service_key] = {s.key: s for s in by_service.get(o.service_key, ())}
+                cur.pop(k, None)
+            if n is not None:
+                cur = touched.get(n.service_key)
+                if cur is None:
+                    cur = touched[n.service_key] = {s.key: s for s in by_service.get(n.service_key, ())}
+                cur[k] = n
+        for skey, cur in touched.items():
+            if cur:
+                by_service[skey] = tuple(cur[k] for k in sorted(cur))
+            else:
+                by_service.pop(skey, None)
+        return by_service
+
+    def _compile_services(self, prev: "ZoneView | None") -> dict[tuple[str, str], "ServiceData"]:
+        old = prev.services if prev is not None else {}
+        services: dict[tuple[str, str], ServiceData] = {}
+        by_service = self.by_service
+        pod_names, noeps = self.cfg.endpoint_pod_names, self.cfg.noendpoints
+        for key, svc in self.state.services.items():
+            slices = by_service.get(key, ())
+            o = old.get(key)
+            if o is not None and o.svc is svc and o.slices == slices:
+                services[key] = o
+            else:
+                services[key] = ServiceData(svc, slices, pod_names, noeps)
+        return services
+
+    def _add_addresses(self, sd: "ServiceData", cips: dict, eps: dict, copied: set | None) -> None:
+        if sd.kind == "external" or not self.exposed(sd.svc.namespace):
+            return
+        for ip in sd.svc.cluster_ips:
+            lst = cips.get(ip)
+            if lst is None:
+                cips[ip] = [(sd, None)]
+            else:
+                if copied is not None and ("c", ip) not in copied:
+                    lst = cips[ip] = list(lst)
+                    copied.add(("c", ip))
+                lst.append((sd, None))
+        for name, ip, _ in sd.ready:
+            lst = eps.get(ip)
+            if lst is None:
+                eps[ip] = [(sd, name)]
+            else:
+                if copied is not None and ("e", ip) not in copied:
+                    lst = eps[ip] = list(lst)
+                    copied.add(("e", ip))
+                if (sd, name) not in lst:
+                    lst.append((sd, name))
+
+    def _index_addresses(self, prev: "ZoneView | None") -> tuple[dict, dict]:
+        """address -> [(service, None)] for ClusterIPs and [(service, endpoint name)] for ready endpoints."""
+        rebuild = prev is None or (self.selector is not None and prev.state.namespaces is not self.state.namespaces)
+        if rebuild:
+            cips: dict[str, list] = {}
+            eps: dict[str, list] = {}
+            for sd in self.services.values():
+                self._add_addresses(sd, cips, eps, None)
+            return cips, eps
+        old, new = prev.services, self.services
+        gone = [sd for k, sd in old.items() if new.get(k) is not sd]
+        added = [sd for k, sd in new.items() if old.get(k) is not sd]
+        if not gone and not added:
+            return prev.cips, prev.eps
+        cips, eps = dict(prev.cips), dict(prev.eps)
+        for sd in gone:
+            for table, ips in ((cips, sd.svc.cluster_ips), (eps, [ip for _, ip, _ in sd.ready])):
+                for ip in ips:
+                    lst = table.get(ip)
+                    if lst is not None:
+                        keep = [x for x in lst if x[0] is not sd]
+                        if keep:
+                            table[ip] = keep
+                        else:
+                            del table[ip]
+        copied: set = set()
+        for sd in added:
+            self._add_addresses(sd, cips, eps, copied)
+        return cips, eps
+
+    # --- namespaces ------------------------------------------------------------------
+
+    def exposed(self, ns: str) -> bool:
+        """The namespace exists and is served (--namespaces, --namespace-labels)."""
+        r = self._exposed.get(ns)
+        if r is None:
+            r = self._compute_exposed(ns)
+            self._exposed[ns] = r
+        return r
+
+    def _compute_exposed(self, ns: str) -> bool:
+        cfg = self.cfg
+        if cfg.namespaces and ns not in cfg.namespaces:
+            return False
+        obj = self.state.namespaces.get(ns)
+        if self.selector is not None:
+            return obj is not None and self.selector(dict(obj.labels))
+        return obj is not None or ns in self.svc_namespaces
+
+    def service(self, ns: str, name: str) -> ServiceData | None:
+        """The served Service `name` in `ns`, or None (absent, hidden, or empty per the options)."""
+        if not self.exposed(ns):
+            return None
+        sd = self.services.get((ns, name))
+        if sd is None:
+            return None
+        if sd.kind == "headless" and not sd.ready:
+            return None
+        if sd.kind == "cluster" and self.cfg.ignore_empty_service and not sd.ready:
+            return None
+        if sd.kind == "external" and not sd.target:
+            return None
+        return sd
+
+    # --- reverse index -----------------------------------------------------------------
+
+    def reverse(self, ip: str) -> list[tuple["ServiceData", str | None]]:
+        """Who owns an address: ClusterIPs win over endpoints."""
+        return self.cips.get(ip) or self.eps.get(ip) or []
+
+    # --- records -----------------------------------------------------------------------
+
+    def soa(self, zone: Labels) -> RR:
+        z = label(zone)
+        return RR(z, SOA, ttl=min(self.ttl, 300), rdata=RD_SOA(
+            label(("ns", "dns") + zone), label(("hostmaster",) + zone),
+            (self.serial, 7200, 1800, 86400, self.ttl)))
+
+    def _addr(self, owner: DNSLabel, ips, qtype: int) -> list[RR]:
+        if qtype == A:
+            return [RR(owner, A, ttl=self.ttl, rdata=RD_A(ip)) for ip in ips if ":" not in ip]
+        if qtype == AAAA:
+            return [RR(owner, AAAA, ttl=self.ttl, rdata=RD_AAAA(ip)) for ip in ips if ":" in ip]
+        return []
+
+    def _srv(self, owner: DNSLabel, entries: list[tuple[Labels, str, int | None]]) -> tuple[list, list]:
+        """SRV records and glue from (target, address, port) entries, weighted as CoreDNS does."""
+        if not entries:
+            return [], []
+        weight = max(1, 100 // len(entries))
+        srvs, glue, seen_srv, seen_glue = [], [], set(), set()
+        for target, ip, port in entries:
+            if port is None:
+                continue
+            if (target, port) not in seen_srv:
+                seen_srv.add((target, port))
+                srvs.append(RR(owner, SRV, ttl=self.ttl, rdata=RD_SRV(0, weight, port, label(target))))
+            if (target, ip) not in seen_glue:
+                seen_glue.add((target, ip))
+                t = label(target)
+                if ":" in ip:
+                    glue.append(RR(t, AAAA, ttl=self.ttl, rdata=RD_AAAA(ip)))
+                else:
+                    glue.append(RR(t, A, ttl=self.ttl, rdata=RD_A(ip)))
+        return srvs, glue
+
+    # --- lookup ------------------------------------------------------------------------
+
+    def lookup(self, q: Labels, qtype: int) -> Answer:
+        """Answer (q, qtype) for a name inside one of the served zones."""
+        zone = names.zone_of(q, self.zones)
+        if zone is None:
+            raise ValueError("name outside the served zones")
+        if names.is_reverse(zone):
+            res = self._reverse_node(q, zone, qtype)
+        else:
+            res = self._forward_node(q, zone, qtype)
+        if res is None:
+            rcode = NXDOMAIN if self.synced else SERVFAIL
+            return Answer(rcode, [], [self.soa(zone)], zone=zone, cacheable=self.synced)
+        answer, additional = res.answer, res.additional
+        chase = None
+        if res.cname is not None:
+            cname = RR(label(q), CNAME, ttl=self.ttl, rdata=RD_CNAME(label(res.cname)))
+            if qtype in (CNAME, ANY):
+                answer, additional = [cname], []
+            elif qtype in (A, AAAA):
+                answer, additional, chase = self._chase(q, res.cname, qtype, cname)
+            else:
+                answer, additional = [], []
+        elif qtype == ANY:
+            answer = [RR(label(q), 13, ttl=self.ttl, rdata=HINFO_RDATA)] if res.has_data else []
+            additional = []
+        authority = [] if answer else [self.soa(zone)]
+        return Answer(NOERROR, answer, authority, additional, cacheable=res.cacheable and chase is None,
+                      chase=chase, zone=zone)
+
+    def _chase(self, q: Labels, target: Labels, qtype: int, cname: RR) -> tuple[list, list, Labels | None]:
+        """Follow an ExternalName CNAME inside the zones (limit 10, loops dropped)."""
+        answer = [cname]
+        seen = {q}
+        for _ in range(10):
+            if target in seen:
+                return answer, [], None
+            seen.add(target)
+            zone = names.zone_of(target, self.zones)
+            if zone is None:
+                return answer, [], target
+            res = (self._reverse_node(target, zone, qtype) if names.is_reverse(zone)
+                   else self._forward_node(target, zone, qtype))
+            if res is None:
+                return answer, [], None
+            if res.cname is None:
+                return answer + res.answer, [], None
+            answer.append(RR(label(target), CNAME, ttl=self.ttl, rdata=RD_CNAME(label(res.cname))))
+            target = res.cname
+        return answer, [], None
+
+    def _forward_node(self, q: Labels, zone: Labels, qtype: int) -> _Res | None:
+        p = names.parse(q[:len(q) - len(zone)])
+        kind = p.kind
+        owner = label(q)
+        ttl = self.ttl
+        if kind in ("service", "endpoint", "port"):
+            sd = self.service(p.namespace, p.service)
+            if sd is None:
+                return None
+            if kind == "service":
+                return self._service_node(sd, owner, zone, qtype)
+            if sd.kind == "external":
+                return None
+            if kind == "endpoint":
+                ips = sd.by_name().get(p.endpoint)
+                if not ips:
+                    return None
+                return _Res(self._addr(owner, ips, qtype))
+            return self._port_node(sd, owner, zone, qtype, p.port, p.proto)
+        if kind == "apex":
+            if qtype == SOA:
+                return _Res([self.soa(zone)])
+            if qtype == NS:
+                answer, glue = self._ns(zone)
+                return _Res(answer, glue, cacheable=False)
+            return _Res()
+        if kind == "version":
+            if qtype == TXT:
+                return _Res([RR(owner, TXT, ttl=VERSION_TTL, rdata=RD_TXT(SCHEMA_VERSION))])
+            return _Res()
+        if kind == "nsname":
+            return _Res(self._addr(owner, self._own_addresses(), qtype), cacheable=False)
+        if kind in ("ent", "dnsent"):
+            return _ENT
+        if kind == "namespace":
+            return _ENT if self.exposed(p.namespace) else None
+        if kind == "podns":
+            return _ENT if self.cfg.pods != "disabled" and self.exposed(p.namespace) else None
+        if kind == "pod":
+            return self._pod_node(owner, p.namespace, p.endpoint, qtype)
+        return None
+
+    def _service_node(self, sd: ServiceData, owner: DNSLabel, zone: Labels, qtype: int) -> _Res:
+        if sd.kind == "external":
+            return _Res(cname=sd.target)
+        svc = sd.svc
+        if sd.kind == "cluster":
+            if qtype in (A, AAAA):
+                return _Res(self._addr(owner, svc.cluster_ips, qtype))
+            if qtype == SRV:
+                target = (svc.name, svc.namespace, "svc") + zone
+                entries = [(target, ip, p.port) for p in svc.ports for ip in svc.cluster_ips]
+                return _Res(*self._srv(owner, entries))
+            return _Res()
+        # headless: the ready endpoints
+        if qtype == A:
+            return _Res(self._addr(owner, sd.ready_ips(False), A))
+        if qtype == AAAA:
+            return _Res(self._addr(owner, sd.ready_ips(True), AAAA))
+        if qtype == SRV:
+            base = (svc.name, svc.namespace, "svc") + zone
+            entries = []
+            for name, ip, ports in sd.ready:
+                if not ports:
+                    entries.append(((name,) + base, ip, None))
+                for p in ports:
+                    entries.append(((name,) + base, ip, p.port))
+            return _Res(*self._srv(owner, entries))
+        return _Res()
+
+    def _port_node(self, sd: ServiceData, owner: DNSLabel, zone: Labels, qtype: int,
+                   port: str, proto: str) -> _Res | None:
+        svc = sd.svc
+        if sd.kind == "cluster":
+            ports = [p for p in svc.ports if p.name and _match(port, p.name) and _match(proto, p.protocol)]
+            if not ports:
+                return None
+            if qtype == SRV:
+                target = (svc.name, svc.namespace, "svc") + zone
+                return _Res(*self._srv(owner, [(target, ip, p.port) for p in ports for ip in svc.cluster_ips]))
+            # CoreDNS answers the port name's address queries with the ClusterIPs.
+            return _Res(self._addr(owner, svc.cluster_ips, qtype))
+        base = (svc.name, svc.namespace, "svc") + zone
+        entries = [((name,) + base, ip, p.port) for name, ip, ports in sd.ready for p in ports
+                   if p.name and _match(port, p.name) and _match(proto, p.protocol)]
+        if not entries:
+            return None
+        if qtype == SRV:
+            return _Res(*self._srv(owner, entries))
+        ips = list(dict.fromkeys(ip for _, ip, _ in entries))
+        return _Res(self._addr(owner, ips, qtype))
+
+    def _pod_node(self, owner: DNSLabel, ns: str, podlabel: str, qtype: int) -> _Res | None:
+        mode = self.cfg.pods
+        if mode == "disabled" or not self.exposed(ns):
+            return None
+        ip = names.pod_label_ip(podlabel)
+        if ip is None:
+            return None
+        if mode == "verified":
+            if not any(p.namespace == ns for p in self.state.pods_by_ip.get(ip, ())):
+                return None
+        return _Res(self._addr(owner, [ip], qtype))
+
+    def _reverse_node(self, q: Labels, zone: Labels, qtype: int) -> _Res | None:
+        if q == zone:
+            if qtype == SOA:
+                return _Res([self.soa(zone)])
+            if qtype == NS:
+                answer, glue = self._ns(zone)
+                return _Res(answer, glue, cacheable=False)
+            return _Res()
+        ip = names.reverse_ip(q)
+        if ip is None:
+            return None
+        hits = self.reverse(ip)
+        if not hits:
+            return None
+        if qtype != PTR:
+            return _Res()
+        owner = label(q)
+        out = []
+        for sd, name in hits:
+            target = (sd.svc.name, sd.svc.namespace, "svc") + self.primary
+            if name is not None:
+                target = (name,) + target
+            out.append(RR(owner, PTR, ttl=self.ttl, rdata=RD_PTR(label(target))))
+        return _Res(out)
+
+    # --- NS ------------------------------------------------------------------------------
+
+    def _own_addresses(self) -> list[str]:
+        out = []
+        for a in self.server_addresses():
+            try:
+                ip = ipaddress.ip_address(a)
+            except ValueError:
+                continue
+            if not ip.is_loopback and not ip.is_unspecified and str(ip) not in out:
+                out.append(str(ip))
+        return out
+
+    def _ns(self, zone: Labels) -> tuple[list, list]:
+        """NS at the apex: the Services whose endpoints are this server, else ns.dns.<zone>."""
+        mine = self._own_addresses()
+        if not mine:
+            return [], []
+        fz = self.primary if names.is_reverse(zone) else zone
+        owner = label(zone)
+        answer, glue, seen = [], [], set()
+        for ip in mine:
+            for sd, _ in self.reverse(ip):
+                if sd.kind == "cluster" and not any(ip == r[1] for r in sd.ready):
+                    continue
+                svc = sd.svc
+                if sd.kind == "cluster":
+                    target = (svc.name, svc.namespace, "svc") + fz
+                    addrs = list(svc.cluster_ips)
+                else:
+                    target = next(n for n, a, _ in sd.ready if a == ip)
+                    target = (target, svc.name, svc.namespace, "svc") + fz
+                    addrs = [ip]
+                if target in seen:
+                    continue
+                seen.add(target)
+                answer.append(RR(owner, NS, ttl=self.ttl, rdata=RD_NS(label(target))))
+                glue += self._addr(label(target), addrs, A) + self._addr(label(target), addrs, AAAA)
+        if not answer:
+            target = ("ns", "dns") + fz
+            answer = [RR(owner, NS, ttl=self.ttl, rdata=RD_NS(label(target)))]
+            glue = self._addr(label(target), mine, A) + self._addr(label(target), mine, AAAA)
+        return answer, glue
