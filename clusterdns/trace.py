@@ -1,0 +1,580 @@
+"""`clusterdns trace NAME`: one name followed from a pod's resolver to the Pods behind it.
+
+The walk replays what a glibc stub resolver does with the pod's resolv.conf
+(search list and ndots, A and AAAA sent together per candidate) against the
+DNS server as it answers now: an in-process Engine built from the state, or a
+running agent over the wire. Then, for the Service the name resolves to, the
+rule path the proxier programs (taken from the proxier's own rendered rules,
+so trace can never disagree with what is applied) and the endpoints.
+
+`build_trace` returns plain data (the `--json` schema, versioned by "schema");
+`format_text` renders it for a person.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+from dataclasses import replace
+from typing import Any, Awaitable, Callable, Protocol
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+
+from .config import Config
+from .dns import resolvconf
+from .model import EXTERNAL_NAME
+from .state import ClusterState
+
+SCHEMA = "clusterdns.trace/v1"
+KUBE_DNS = ("kube-system", "kube-dns")
+QTYPES = ("A", "AAAA")
+
+
+class TraceError(Exception):
+    """Input trace cannot use (unknown pod, unreadable resolv.conf); one line."""
+
+
+class Asker(Protocol):
+    description: str
+
+    async def ask(self, qname: str, qtype: str) -> dns.message.Message: ...
+
+
+def _query(qname: str, qtype: str) -> dns.message.Message:
+    # glibc sends plain queries with RD set and no EDNS unless `options edns0`.
+    return dns.message.make_query(qname, qtype)
+
+
+class EngineAsker:
+    """Asks an in-process DNS engine (the one the agent runs) built from the state."""
+
+    def __init__(self, engine: Any, client_ip: str, description: str) -> None:
+        self.engine = engine
+        self.client_ip = client_ip
+        self.description = description
+
+    async def ask(self, qname: str, qtype: str) -> dns.message.Message:
+        q = _query(qname, qtype)
+        # As over TCP: trace shows the whole answer, not a truncated UDP one.
+        wire = await self.engine.resolve(q.to_wire(), self.client_ip, True)
+        if not wire:
+            raise TraceError(f"the engine gave no reply for {qname} {qtype}")
+        return dns.message.from_wire(wire)
+
+
+class WireAsker:
+    """Asks a running server over UDP, retrying over TCP when the reply is truncated."""
+
+    def __init__(self, host: str, port: int, timeout: float = 2.0) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self.description = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+
+    async def ask(self, qname: str, qtype: str) -> dns.message.Message:
+        import dns.asyncquery
+        import dns.exception
+        q = _query(qname, qtype)
+        try:
+            reply, _ = await dns.asyncquery.udp_with_fallback(q, self.host, timeout=self.timeout, port=self.port)
+        except (dns.exception.Timeout, OSError) as exc:
+            raise TraceError(f"no answer from {self.description} for {qname} {qtype}: "
+                             f"{exc.__class__.__name__} {exc}".strip()) from None
+        return reply
+
+
+# ---------------------------------------------------------------- resolver view
+
+def pod_resolv_conf(namespace: str, cfg: Config, state: ClusterState) -> resolvconf.ResolvConf:
+    """What kubelet writes for a ClusterFirst pod in `namespace`."""
+    zone = cfg.cluster_domain
+    search = (f"{namespace}.svc.{zone}", f"svc.{zone}", zone)
+    return resolvconf.ResolvConf(nameservers=_kube_dns_ips(state, cfg)[:1], search=search, ndots=5,
+                                 options=("ndots:5",))
+
+
+def _kube_dns_ips(state: ClusterState, cfg: Config) -> tuple[str, ...]:
+    svc = state.services.get(KUBE_DNS)
+    if svc is not None and svc.cluster_ips:
+        return svc.cluster_ips
+    return cfg.local_ips
+
+
+def resolver_view(cfg: Config, state: ClusterState) -> tuple[resolvconf.ResolvConf, dict]:
+    """The resolv.conf to replay and a description of where it came from."""
+    if cfg.trace_resolv_conf:
+        try:
+            conf = resolvconf.read(cfg.trace_resolv_conf)
+        except OSError as exc:
+            raise TraceError(f"{cfg.trace_resolv_conf}: {exc.strerror or exc}") from None
+        return conf, {"source": "file", "path": cfg.trace_resolv_conf, "pod": None, "client_ip": None}
+    namespace, pod_name = "default", ""
+    if cfg.from_pod:
+        namespace, pod_name = cfg.from_pod.split("/", 1)
+        if not namespace or not pod_name:
+            raise TraceError(f"--from-pod {cfg.from_pod!r}: expected NAMESPACE/POD")
+    client_ip = None
+    if pod_name:
+        pod = state.pods.get((namespace, pod_name))
+        if pod is None and "Pod" in state.synced and state.pods:
+            raise TraceError(f"pod {namespace}/{pod_name} not found")
+        client_ip = pod.ips[0] if pod is not None and pod.ips else None
+    return pod_resolv_conf(namespace, cfg, state), {
+        "source": "pod" if pod_name else "namespace-defaults",
+        "path": None, "pod": f"{namespace}/{pod_name}" if pod_name else None,
+        "namespace": namespace, "client_ip": client_ip}
+
+
+# ---------------------------------------------------------------- the walk
+
+def _answers(msg: dns.message.Message) -> list[dict]:
+    out = []
+    for rrset in msg.answer:
+        for rd in rrset:
+            out.append({"name": rrset.name.to_text(), "type": dns.rdatatype.to_text(rrset.rdtype),
+                        "ttl": rrset.ttl, "data": rd.to_text()})
+    return out
+
+
+async def walk(name: str, conf: resolvconf.ResolvConf, asker: Asker) -> dict:
+    """Every query glibc would send for `name`, in order, and where it stops.
+
+    glibc (res_search) moves to the next candidate on NXDOMAIN, on NODATA and
+    on SERVFAIL, and stops at the first candidate where either A or AAAA has
+    an answer, or on any other error (REFUSED, FORMERR...) while walking the
+    search list; the as-is try made first (ndots reached) never stops it.
+    """
+    queries: list[dict] = []
+    stopped_at = None
+    outcome = "not-found"
+    for step, cand in enumerate(resolvconf.candidates(name, conf), 1):
+        replies = {}
+        for qtype in QTYPES:
+            msg = await asker.ask(cand, qtype)
+            replies[qtype] = msg
+            queries.append({"step": step, "name": cand, "type": qtype,
+                            "rcode": dns.rcode.to_text(msg.rcode()),
+                            "aa": bool(msg.flags & dns.flags.AA), "tc": bool(msg.flags & dns.flags.TC),
+                            "answers": _answers(msg)})
+        if any(_answers(m) for m in replies.values()):
+            stopped_at, outcome = cand, "answer"
+            break
+        rcodes = {m.rcode() for m in replies.values()}
+        # The as-is try made before the search list goes on whatever it got.
+        first_as_is = step == 1 and cand.rstrip(".").lower() == name.strip().rstrip(".").lower() and (
+            name.strip().endswith(".") or name.count(".") >= conf.ndots)
+        if rcodes - {dns.rcode.NOERROR, dns.rcode.NXDOMAIN, dns.rcode.SERVFAIL} and not first_as_is:
+            stopped_at, outcome = cand, "error"
+            break
+    if queries:
+        for q in queries:
+            q["stop"] = q["name"] == stopped_at
+    addresses = [a["data"] for q in queries if q["name"] == stopped_at
+                 for a in q["answers"] if a["type"] in QTYPES]
+    return {"queries": queries, "stopped_at": stopped_at, "outcome": outcome,
+            "addresses": list(dict.fromkeys(addresses))}
+
+
+# ---------------------------------------------------------------- service, rules, endpoints
+
+def find_service(state: ClusterState, cfg: Config, fqdn: str | None, addresses: list[str]):
+    """The Service a resolved name belongs to: by name under <zone>, else by ClusterIP."""
+    if fqdn:
+        labels = fqdn.rstrip(".").lower().split(".")
+        zone = cfg.cluster_domain.split(".")
+        if labels[-len(zone):] == zone and len(labels) == len(zone) + 3 and labels[-len(zone) - 1] == "svc":
+            svc = state.services.get((labels[1], labels[0]))
+            if svc is not None:
+                return svc
+    for svc in state.services.values():
+        if any(ip in svc.cluster_ips for ip in addresses):
+            return svc
+    return None
+
+
+def _service_data(svc) -> dict:
+    return {"namespace": svc.namespace, "name": svc.name, "type": svc.type,
+            "cluster_ips": list(svc.cluster_ips), "headless": svc.headless,
+            "external_name": svc.external_name or None,
+            "ports": [{"name": p.name, "protocol": p.protocol, "port": p.port,
+                       "node_port": p.node_port or None,
+                       "target_port": p.target_port} for p in svc.ports],
+            "external_ips": list(svc.external_ips), "lb_ips": list(svc.lb_ips),
+            "external_traffic_policy": "Local" if svc.external_local else "Cluster",
+            "internal_traffic_policy": "Local" if svc.internal_local else "Cluster",
+            "session_affinity_timeout": svc.affinity_timeout or None}
+
+
+def _endpoint_data(state: ClusterState, svc) -> list[dict]:
+    out = []
+    for sl in state.slices_for(svc.namespace, svc.name):
+        ports = [{"name": p.name, "protocol": p.protocol, "port": p.port} for p in sl.ports]
+        for ep in sl.endpoints:
+            for addr in ep.addresses:
+                out.append({"address": addr, "ready": ep.ready, "serving": ep.serving,
+                            "terminating": ep.terminating, "node": ep.node_name or None,
+                            "zone": ep.zone or None,
+                            "pod": f"{ep.pod_namespace}/{ep.pod_name}" if ep.pod_name else None,
+                            "slice": sl.name, "ports": ports})
+    return out
+
+
+# ---------------------------------------------------------------- rules (iptables)
+
+_JUMP = re.compile(r"-j (\S+)")
+_PROB = re.compile(r"--probability (\S+)")
+_DNAT = re.compile(r"--to-destination (\S+)")
+_NOT_SRC = re.compile(r"! -s (\S+)")
+_SRC = re.compile(r"(?<!! )-s (\S+)")
+
+
+def _iptables_tables(text: str) -> dict[str, list[str]]:
+    tables: dict[str, list[str]] = {}
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+            tables.setdefault(table, [])
+        elif line.startswith(("-A ", "-I ")) and table:
+            tables[table].append(line)
+    return tables
+
+
+def _chain_of(rule: str) -> str:
+    return rule.split()[1]
+
+
+def _target(rule: str) -> str:
+    m = _JUMP.search(rule)
+    return m.group(1) if m else ""
+
+
+def _masq_reason(rule: str, cfg: Config) -> str:
+    if "--src-type LOCAL" in rule:
+        return "traffic from the node itself"
+    m = _NOT_SRC.search(rule)
+    if m:
+        return f"source outside the cluster CIDR {m.group(1)}"
+    chain = _chain_of(rule)
+    m = _SRC.search(rule)
+    if chain.startswith("KUBE-SEP-") and m:
+        return f"hairpin: the endpoint {m.group(1)} reaching itself through the Service"
+    if chain.startswith("KUBE-EXT-"):
+        return "all external traffic (externalTrafficPolicy Cluster)"
+    if cfg.masquerade_all:
+        return "all traffic (--masquerade-all)"
+    return "always"
+
+
+def iptables_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
+    """The service's rules as the iptables proxier renders them, port by port."""
+    from .proxy import iptables as ipt
+    from .proxy.servicemap import service_ports_for
+    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
+    ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
+    if not ports:
+        return []
+    tables = _iptables_tables(ipt.render(state, cfg, family).text)
+    nat, flt = tables.get("nat", []), tables.get("filter", [])
+    out = []
+    for info, cat in ports:
+        ours = {info.svc_chain, info.svl_chain, info.ext_chain, info.fw_chain}
+        ours |= {info.sep_chain(ep) for ep in cat.reachable}
+        entry = [r for r in nat if _chain_of(r) in ("KUBE-SERVICES", "KUBE-NODEPORTS") and _target(r) in ours]
+        chains = {}
+        for r in nat:
+            c = _chain_of(r)
+            if c in ours:
+                chains.setdefault(c, []).append(r)
+        quoted = f'"{info.name} '
+        filt = [r for r in flt if quoted in r]
+        dnat = {c: _DNAT.search(r).group(1) for c, rs in chains.items() for r in rs if _DNAT.search(r)}
+        by_endpoint = {info.sep_chain(ep): ep for ep in cat.reachable}
+        dispatch = []
+        for chain in (info.svc_chain, info.svl_chain):
+            for r in chains.get(chain, []):
+                target = _target(r)
+                if not target.startswith("KUBE-SEP-") or "--rcheck" in r:
+                    continue
+                m = _PROB.search(r)
+                ep = by_endpoint.get(target)
+                dispatch.append({"chain": chain, "target": target,
+                                 "probability": float(m.group(1)) if m else 1.0,
+                                 "probability_text": m.group(1) if m else None,
+                                 "endpoint": dnat.get(target),
+                                 "node": ep.node_name if ep else None, "zone": ep.zone if ep else None,
+                                 "ready": ep.ready if ep else None})
+        masq = [{"chain": _chain_of(r), "when": _masq_reason(r, cfg), "rule": r}
+                for c, rs in chains.items() for r in rs if _target(r) == "KUBE-MARK-MASQ"]
+        out.append({
+            "port": info.name, "protocol": info.protocol, "cluster_ip": info.cluster_ip,
+            "port_number": info.port_number, "node_port": info.node_port or None,
+            "entry": entry, "filter": filt,
+            "chains": [{"table": "nat", "name": c, "rules": rs} for c, rs in chains.items()],
+            "dispatch": dispatch, "masquerade": masq,
+            "endpoints_total": len(cat.all), "endpoints_used": len(cat.reachable),
+            "has_endpoints": cat.has_endpoints,
+        })
+    return out
+
+
+# ---------------------------------------------------------------- putting it together
+
+def make_asker(cfg: Config, state: ClusterState, resolver: dict, conf: resolvconf.ResolvConf) -> Asker:
+    """A running server when --listen is given, else an in-process engine on `state`."""
+    if cfg.listen:
+        host, port = cfg.listen_addresses()[0]
+        return WireAsker(host, port)
+    from .dns.engine import Engine
+    from .dns.forward import Forward
+    forwarder = Forward.from_config(cfg)
+    engine = Engine(cfg, forwarder, server_addresses=lambda: list(conf.nameservers[:1]))
+    engine.update(state)
+    return EngineAsker(engine, resolver.get("client_ip") or "127.0.0.1",
+                       f"in-process engine (state version {state.version})")
+
+
+async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = None) -> dict:
+    """The whole trace as plain data (the --json schema)."""
+    conf, resolver = resolver_view(cfg, state)
+    resolver.update({"search": list(conf.search), "ndots": conf.ndots,
+                     "nameservers": list(conf.nameservers), "options": list(conf.options)})
+    asker = asker or make_asker(cfg, state, resolver, conf)
+    try:
+        result = await walk(cfg.name, conf, asker)
+    finally:
+        close = getattr(getattr(asker, "engine", None), "forwarder", None)
+        if close is not None and hasattr(close, "close"):
+            await close.close()
+    svc = find_service(state, cfg, result["stopped_at"], result["addresses"])
+    mode = cfg.proxy_mode if cfg.proxy_mode != "none" else "iptables"
+    family = 4
+    if result["addresses"] and ":" in result["addresses"][0]:
+        family = 6
+    data = {
+        "schema": SCHEMA, "name": cfg.name, "resolver": resolver, "server": asker.description,
+        "libc": "glibc", "walk": result, "service": None, "rules": None, "endpoints": [],
+    }
+    if svc is not None:
+        data["service"] = _service_data(svc)
+        data["endpoints"] = _endpoint_data(state, svc)
+        if mode == "iptables":
+            ports = iptables_path(state, cfg, svc, family)
+        else:
+            ports = nftables_path(state, cfg, svc, family, mode)
+        data["rules"] = {"mode": mode, "family": family, "ports": ports,
+                         "note": _rules_note(svc, ports)}
+    return data
+
+
+def _rules_note(svc, ports: list) -> str | None:
+    if svc.is_external_name:
+        return f"ExternalName: a CNAME to {svc.external_name}; no proxy rules"
+    if svc.headless:
+        return "headless: DNS answers the endpoint addresses themselves; no proxy rules"
+    if svc.proxy_name:
+        return f"served by the proxy {svc.proxy_name!r}, not by clusterdns"
+    if not ports:
+        return "no rules for this family"
+    return None
+
+
+def nftables_path(state: ClusterState, cfg: Config, svc, family: int, mode: str) -> list[dict]:
+    """The service's objects as the nftables (or another) proxier renders them."""
+    try:
+        from .proxy import nftables as nft
+    except ImportError:
+        raise TraceError(f"--proxy-mode {mode}: this build cannot render its rules") from None
+    from .proxy.servicemap import service_ports_for
+    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
+    ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
+    if not ports:
+        return []
+    text = nft.render(state, cfg, family).text
+    return [_nft_port(text, info, cat) for info, cat in ports]
+
+
+def _nft_port(text: str, info, cat) -> dict:
+    from .proxy import names
+    base = info.nft_base
+    ours = {names.nft_service_chain(base), names.nft_local_chain(base), names.nft_external_chain(base),
+            names.nft_firewall_chain(base)}
+    ep_chain = {names.nft_endpoint_chain(info.nft_endpoint_base(ep)): ep for ep in cat.reachable}
+    ours |= set(ep_chain)
+    elements = [line.strip() for line in text.splitlines()
+                if "element" in line and any(c in line for c in ours)]
+    chains: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:add|flush|create)? *chain \S+ \S+ (\S+)", line)
+        if m:
+            current = m.group(1) if m.group(1) in ours else None
+            if current and "{" not in line:
+                chains.setdefault(current, [])
+                current = None
+            continue
+        m = re.match(r"\s*add rule \S+ \S+ (\S+) (.*)", line)
+        if m and m.group(1) in ours:
+            chains.setdefault(m.group(1), []).append(m.group(2))
+    svc_rules = chains.get(names.nft_service_chain(base), []) + chains.get(names.nft_local_chain(base), [])
+    dispatch = []
+    for rule in svc_rules:
+        m = re.search(r"numgen random mod (\d+) vmap \{(.*)\}", rule)
+        if not m:
+            continue
+        n = int(m.group(1))
+        for target in re.findall(r"goto (\S+)", m.group(2)):
+            ep = ep_chain.get(target.rstrip(","))
+            dispatch.append({"chain": names.nft_service_chain(base), "target": target.rstrip(","),
+                             "probability": round(1.0 / n, 10), "probability_text": f"1/{n}",
+                             "endpoint": ep.endpoint if ep else None,
+                             "node": ep.node_name if ep else None, "zone": ep.zone if ep else None,
+                             "ready": ep.ready if ep else None})
+    masq = [{"chain": c, "when": _nft_masq_reason(r), "rule": r}
+            for c, rs in chains.items() for r in rs if "mark-for-masquerade" in r]
+    return {"port": info.name, "protocol": info.protocol, "cluster_ip": info.cluster_ip,
+            "port_number": info.port_number, "node_port": info.node_port or None,
+            "entry": elements, "filter": [],
+            "chains": [{"table": "kube-proxy", "name": c, "rules": rs} for c, rs in chains.items()],
+            "dispatch": dispatch, "masquerade": masq,
+            "endpoints_total": len(cat.all), "endpoints_used": len(cat.reachable),
+            "has_endpoints": cat.has_endpoints}
+
+
+def _nft_masq_reason(rule: str) -> str:
+    m = re.search(r"saddr != (\S+)", rule)
+    if m:
+        return f"source outside the cluster CIDR {m.group(1)}"
+    m = re.search(r"saddr (\S+) jump", rule)
+    if m:
+        return f"hairpin: the endpoint {m.group(1)} reaching itself through the Service"
+    if "fib saddr type local" in rule:
+        return "traffic from the node itself"
+    return "always"
+
+
+# ---------------------------------------------------------------- text output
+
+class _Style:
+    def __init__(self, color: bool) -> None:
+        self.color = color
+
+    def _c(self, code: str, text: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.color else text
+
+    def bold(self, t: str) -> str:
+        return self._c("1", t)
+
+    def good(self, t: str) -> str:
+        return self._c("32", t)
+
+    def bad(self, t: str) -> str:
+        return self._c("31", t)
+
+    def dim(self, t: str) -> str:
+        return self._c("2", t)
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Aligned columns; widths from the text without colour codes."""
+    plain = [[re.sub(r"\033\[[0-9;]*m", "", c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in plain) for i in range(len(rows[0]))]
+    out = []
+    for r, p in zip(rows, plain):
+        cells = [c + " " * (widths[i] - len(p[i])) for i, c in enumerate(r)]
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out
+
+
+def format_text(data: dict, color: bool = False) -> str:
+    s = _Style(color)
+    r = data["resolver"]
+    lines = []
+    who = {"pod": f"pod {r.get('pod')}", "namespace-defaults": f"a pod in namespace {r.get('namespace')}",
+           "file": f"resolv.conf {r.get('path')}"}[r["source"]]
+    lines.append(s.bold(f"trace {data['name']}") + f"  from {who}")
+    lines.append(f"  search {' '.join(r['search']) or '(none)'}   ndots:{r['ndots']}   "
+                 f"nameserver {', '.join(r['nameservers']) or '(none)'}")
+    lines.append(f"  asking {data['server']}")
+    lines.append("")
+    w = data["walk"]
+    lines.append(s.bold("DNS walk") + s.dim("  (glibc: A and AAAA together per candidate, next on "
+                                               "NXDOMAIN/NODATA/SERVFAIL)"))
+    rows = [["#", "NAME", "TYPE", "RCODE", "ANSWER"]]
+    for q in w["queries"]:
+        ans = ", ".join(f"{a['data']}" + (f" ({a['type']})" if a["type"] != q["type"] else "")
+                        for a in q["answers"][:4])
+        if len(q["answers"]) > 4:
+            ans += f", ... ({len(q['answers'])} records)"
+        if q["answers"]:
+            ans += s.dim(f"  ttl {q['answers'][0]['ttl']}")
+        rcode = q["rcode"]
+        if q["answers"]:
+            rcode = s.good(rcode)
+        elif rcode == "NOERROR":
+            rcode = "NODATA"
+        elif rcode != "NXDOMAIN":
+            rcode = s.bad(rcode)
+        rows.append([str(q["step"]), q["name"], q["type"], rcode, ans or "-"])
+    lines += _table(rows)
+    if w["outcome"] == "answer":
+        lines.append("  " + s.good(f"stops at {w['stopped_at']}") + f" -> {', '.join(w['addresses']) or 'CNAME'}")
+    elif w["outcome"] == "error":
+        lines.append("  " + s.bad(f"stops at {w['stopped_at']} with an error"))
+    else:
+        lines.append("  " + s.bad("no candidate answered: the name does not resolve"))
+    svc = data["service"]
+    if svc is None:
+        return "\n".join(lines) + "\n"
+    lines.append("")
+    ports = ", ".join(f"{p['port']}/{p['protocol']}" + (f" ({p['name']})" if p["name"] else "")
+                      + (f" nodePort {p['node_port']}" if p["node_port"] else "") for p in svc["ports"])
+    addr = ", ".join(svc["cluster_ips"]) or ("None (headless)" if svc["headless"] else svc["external_name"] or "-")
+    lines.append(s.bold(f"Service {svc['namespace']}/{svc['name']}") + f"  {svc['type']}  {addr}  ports {ports or '-'}")
+    rules = data["rules"]
+    if rules:
+        lines.append("")
+        lines.append(s.bold(f"Rules ({rules['mode']}, IPv{rules['family']})"))
+        if rules["note"]:
+            lines.append("  " + rules["note"])
+        for p in rules["ports"]:
+            lines.append(f"  {p['port']} {p['protocol']} {p['cluster_ip']}:{p['port_number']}"
+                         f"  ({p['endpoints_used']} of {p['endpoints_total']} endpoints used)")
+            for e in p["entry"]:
+                lines.append("    " + s.dim(e))
+            for f in p["filter"]:
+                lines.append("    " + s.bad(f))
+            if p["dispatch"]:
+                chain = p["dispatch"][0]["chain"]
+                head = "KUBE-SERVICES -> " if rules["mode"] == "iptables" else "service-ips map -> "
+                lines.append(f"    {head}{chain} -> one of {len(p['dispatch'])}:")
+                shown = p["dispatch"]
+                if len(shown) > 8:   # the whole list is in --json
+                    shown = shown[:5] + [None] + shown[-2:]
+                rows = [[d["target"], f"p={d['probability_text'] or '1 (rest)'}", f"-> {d['endpoint']}",
+                         d["node"] or "-", d["zone"] or "-"] if d else
+                        ["...", f"({len(p['dispatch']) - 7} more)", "", "", ""] for d in shown]
+                lines += _table(rows, "      ")
+            elif p["has_endpoints"] is False:
+                lines.append("    " + s.bad("no endpoints: connections are rejected"))
+            hairpin = [m for m in p["masquerade"] if m["when"].startswith("hairpin")]
+            other = [m for m in p["masquerade"] if not m["when"].startswith("hairpin")]
+            for m in other:
+                lines.append(f"    masquerade in {m['chain']}: {m['when']}")
+            if not any(m["chain"] == (p["dispatch"][0]["chain"] if p["dispatch"] else "") for m in other):
+                lines.append("    masquerade of cluster traffic: none (no --cluster-cidr or --masquerade-all)")
+            if hairpin:
+                lines.append(f"    masquerade when an endpoint reaches itself through the Service (hairpin, "
+                             f"{len(hairpin)} endpoint chain{'s' if len(hairpin) != 1 else ''})")
+    eps = data["endpoints"]
+    lines.append("")
+    ready = sum(1 for e in eps if e["ready"])
+    lines.append(s.bold(f"Endpoints ({ready} ready of {len(eps)})"))
+    if eps:
+        rows = [["ADDRESS", "READY", "NODE", "ZONE", "POD"]]
+        for e in eps:
+            rows.append([e["address"], s.good("yes") if e["ready"] else s.bad("no"),
+                         e["node"] or "-", e["zone"] or "-", e["pod"] or "-"])
+        lines += _table(rows)
+    return "\n".join(lines) + "\n"
