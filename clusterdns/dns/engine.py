@@ -20,12 +20,13 @@ from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 
 from ..config import Config
 from ..state import ClusterState
-from . import names
+from . import names, resolvconf, xfr
 from .names import Labels
 from .wire import (ANY, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE,
                    QR, AA, RD, REFUSED, SERVFAIL, TC, Body, Entry, opt_record, pack_body, qname_labels,
                    question_end, render, rotations, udp_limit)
 from .zone import Answer, ZoneView
+from .zone import label as zone_label
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,14 @@ class Engine:
         self.udp_size = cfg.udp_size
         self._opt = opt_record(cfg.udp_size, False)
         self._opt_do = opt_record(cfg.udp_size, True)
-        self._memoise_nx = not cfg.autopath and cfg.fallthrough is None
         self._fall = None if cfg.fallthrough is None else [names.split_name(z) for z in cfg.fallthrough]
+        self._search: tuple[str, ...] = ()
+        if cfg.autopath:
+            try:
+                self._search = tuple(s for s in resolvconf.read(cfg.resolv_conf).search
+                                     if s.strip(".").lower() != cfg.cluster_domain)
+            except OSError:
+                pass
         self._view = ZoneView(cfg, None, None, self.selector, server_addresses)
 
     # --- state -------------------------------------------------------------------------
@@ -223,7 +230,7 @@ class Engine:
         if ans.chase is not None:
             return await self._chase_upstream(q, ans)
         entry = self._entry(q, ans)
-        if entry.cacheable and view.synced and (ans.rcode != NXDOMAIN or self._memoise_nx):
+        if entry.cacheable and view.synced and (ans.rcode != NXDOMAIN or self._nx_memoisable(q.labels, view)):
             memo = view.memo
             if len(memo) >= MEMO_LIMIT:
                 memo.clear()
@@ -236,6 +243,17 @@ class Engine:
         variants = rotations(ans.answer) if len(ans.answer) > 1 else [ans.answer]
         bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in variants]
         return Entry(flags, bodies, ans.cacheable)
+
+    def _nx_memoisable(self, labels: Labels, view: ZoneView) -> bool:
+        """An NXDOMAIN that is the same for every client: no fallthrough, no autopath may apply."""
+        if self._fall is not None and self._falls_through(labels):
+            return False
+        if self.cfg.autopath:
+            zone = view.primary
+            k = len(labels) - len(zone)
+            if k >= 3 and labels[k - 1] == "svc" and labels[k:] == zone:
+                return False
+        return True
 
     def _falls_through(self, labels: Labels) -> bool:
         if not self._fall:
@@ -276,13 +294,83 @@ class Engine:
         body = pack_body(tuple(l.lower() for l in q.raw_labels), ans.answer + records, [], [])
         return render(body, flags, q.data, q.question, 1, self._opt_for(q), self._limit(q))
 
-    # --- later features ------------------------------------------------------------------
+    # --- autopath ----------------------------------------------------------------------
 
     async def _autopath(self, q: _Query, view: ZoneView) -> bytes | None:
+        """Server-side search-path completion for a pod's NXDOMAIN (CoreDNS autopath @kubernetes).
+
+        The asked name must lie under the pod's first search domain <ns>.svc.<zone>; the
+        other candidates are tried in the pod's order and the first that exists answers,
+        with a CNAME from the asked name when it has records. None: no autopath here.
+        """
+        pods = view.state.pods_by_ip.get(q.client_ip)
+        if not pods:
+            return None
+        zone = names.split_name(self.cfg.cluster_domain)
+        first = (pods[0].namespace, "svc") + zone
+        n = len(q.labels) - len(first)
+        if n <= 0 or q.labels[n:] != first:
+            return None
+        base = q.labels[:n]
+        candidates = [base + ("svc",) + zone, base + zone]
+        candidates += [base + names.split_name(s) for s in self._search]
+        candidates.append(base)
+        for cand in candidates:
+            if names.zone_of(cand, view.zones) is None:
+                if self.forwarder is None:
+                    continue
+                request = DNSRecord(DNSHeader(id=random.randint(0, 0xFFFF), rd=1),
+                                    q=DNSQuestion(".".join(cand) + ".", q.qtype))
+                reply = await self.forwarder.query(request, q.tcp)
+                if reply is None or reply.header.rcode == NXDOMAIN:
+                    continue
+                if not reply.rr:
+                    return self._upstream_reply(q, reply)
+                cname = RR(label_of(q.raw_labels), 5, ttl=reply.rr[0].ttl, rdata=dnslib.CNAME(zone_label(cand)))
+                return self._upstream_reply(q, reply, prefix=[cname])
+            ans = view.lookup(cand, q.qtype)
+            if ans.rcode == NXDOMAIN:
+                continue
+            if ans.rcode != NOERROR:
+                return None
+            if ans.chase is not None:
+                continue   # an ExternalName leading outside: let the client walk on
+            if ans.answer:
+                cname = RR(label_of(q.raw_labels), 5, ttl=ans.answer[0].ttl, rdata=dnslib.CNAME(zone_label(cand)))
+                ans.answer = [cname] + ans.answer
+            entry = self._entry(q, ans)
+            return self._render_entry(q, entry)
         return None
 
+    # --- zone transfer -------------------------------------------------------------------
+
     async def _transfer(self, q: _Query, view: ZoneView) -> bytes | list[bytes]:
-        return self._error(q, REFUSED)
+        """AXFR/IXFR of a served forward zone: over TCP with --transfer only."""
+        if not self.cfg.transfer or not q.tcp:
+            return self._error(q, REFUSED)
+        zone = names.zone_of(q.labels, view.zones)
+        if zone is None or zone != q.labels or names.is_reverse(zone):
+            return self._error(q, REFUSED)
+        if not view.synced:
+            return self._error(q, SERVFAIL, aa=True)
+        if q.qtype == IXFR:
+            soas = [rr for rr in q.record.auth if rr.rtype == 6]
+            if not soas:
+                return self._error(q, SERVFAIL, aa=True)
+            if not _serial_newer(view.serial, soas[0].rdata.times[0]):
+                body = pack_body(tuple(l.lower() for l in q.raw_labels), [view.soa(zone)])
+                return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)]
+        return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)
+                for body in xfr.transfer_bodies(view, zone, q.raw_labels)]
+
+
+def label_of(raw: tuple[bytes, ...]) -> dnslib.DNSLabel:
+    return dnslib.DNSLabel(tuple(raw))
+
+
+def _serial_newer(ours: int, theirs: int) -> bool:
+    """RFC 1982 serial arithmetic: is `ours` ahead of `theirs`?"""
+    return ours != theirs and ((ours - theirs) & 0xFFFFFFFF) < 0x80000000
 
 
 __all__ = ["Engine", "Forwarder"]

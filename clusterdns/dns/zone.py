@@ -411,7 +411,7 @@ class ZoneView:
             if qtype == SOA:
                 return _Res([self.soa(zone)])
             if qtype == NS:
-                answer, glue = self._ns(zone)
+                answer, glue = self.ns_records(zone)
                 return _Res(answer, glue, cacheable=False)
             return _Res()
         if kind == "version":
@@ -497,7 +497,7 @@ class ZoneView:
             if qtype == SOA:
                 return _Res([self.soa(zone)])
             if qtype == NS:
-                answer, glue = self._ns(zone)
+                answer, glue = self.ns_records(zone)
                 return _Res(answer, glue, cacheable=False)
             return _Res()
         ip = names.reverse_ip(q)
@@ -530,7 +530,7 @@ class ZoneView:
                 out.append(str(ip))
         return out
 
-    def _ns(self, zone: Labels) -> tuple[list, list]:
+    def ns_records(self, zone: Labels) -> tuple[list, list]:
         """NS at the apex: the Services whose endpoints are this server, else ns.dns.<zone>."""
         mine = self._own_addresses()
         if not mine:

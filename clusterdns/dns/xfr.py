@@ -1,0 +1,78 @@
+"""Zone transfer (AXFR, and IXFR answered as a full transfer) of a served forward zone.
+
+The records are exactly what queries return: SOA, NS and glue, then every
+served Service in (namespace, name) order: its A/AAAA, its CNAME
+(ExternalName), SRV at each named port, and for headless Services each
+endpoint name; the SOA closes the transfer. Messages stay well under 64 KiB.
+"""
+from __future__ import annotations
+
+from dnslib import RR
+from dnslib.label import DNSBuffer
+
+from .names import Labels
+from .wire import A, AAAA, CNAME, SRV, Body, pack_body
+from .zone import ZoneView, label
+
+MESSAGE_BUDGET = 32_000     # bytes of records per message before compression
+
+
+def transfer_records(view: ZoneView, zone: Labels) -> list[RR]:
+    soa = view.soa(zone)
+    out: list[RR] = [soa]
+    ns, glue = view.ns_records(zone)
+    out += ns + glue
+    for key in sorted(view.services):
+        sd = view.service(*key)
+        if sd is None:
+            continue
+        name = (sd.svc.name, sd.svc.namespace, "svc") + zone
+        if sd.kind == "external":
+            out += view.lookup(name, CNAME).answer
+            continue
+        for qtype in (A, AAAA):
+            out += view.lookup(name, qtype).answer
+        ports: dict[tuple[str, str], None] = {}
+        if sd.kind == "cluster":
+            for p in sd.svc.ports:
+                if p.name:
+                    ports[(p.name.lower(), p.protocol.lower())] = None
+        else:
+            for _, _, eports in sd.ready:
+                for p in eports:
+                    if p.name:
+                        ports[(p.name.lower(), p.protocol.lower())] = None
+        for pname, proto in ports:
+            ans = view.lookup(("_" + pname, "_" + proto) + name, SRV)
+            out += ans.answer
+        if sd.kind == "headless":
+            for ep in sd.by_name():
+                for qtype in (A, AAAA):
+                    out += view.lookup((ep,) + name, qtype).answer
+    out.append(soa)
+    return out
+
+
+def _size(rr: RR) -> int:
+    buf = DNSBuffer()
+    rr.pack(buf)
+    return len(buf.data)
+
+
+def transfer_bodies(view: ZoneView, zone: Labels, question: tuple[bytes, ...]) -> list[Body]:
+    """The transfer split into message bodies (each follows the echoed question)."""
+    lower = tuple(x.lower() for x in question)
+    bodies, chunk, size = [], [], 0
+    for rr in transfer_records(view, zone):
+        n = _size(rr)
+        if chunk and size + n > MESSAGE_BUDGET:
+            bodies.append(pack_body(lower, chunk))
+            chunk, size = [], 0
+        chunk.append(rr)
+        size += n
+    if chunk:
+        bodies.append(pack_body(lower, chunk))
+    return bodies
+
+
+__all__ = ["transfer_records", "transfer_bodies", "label"]
