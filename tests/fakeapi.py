@@ -565,11 +565,17 @@ class FakeAPIServer:
                         await self._send(resp, self._bookmark_event(res))
                         next_bookmark = time.monotonic() + (self.bookmark_interval or 0)
                     continue
-                if item is _DROP:
+                # Events queued together go out in one write, as a busy apiserver's do.
+                batch = [item]
+                while not w.queue.empty() and batch[-1] is not _DROP:
+                    batch.append(w.queue.get_nowait())
+                dropped = batch[-1] is _DROP
+                if dropped:
+                    batch.pop()
+                if batch and not w.stalled:
+                    await resp.write(b"".join(json.dumps(ev).encode() + b"\n" for ev in batch))
+                if dropped:
                     break
-                if w.stalled:
-                    continue
-                await self._send(resp, item)
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:

@@ -376,3 +376,29 @@ def test_in_cluster_config(tmp_path, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
     with pytest.raises(UsageError, match="in-cluster config"):
         KubeSource(cfg, StateStore())
+
+
+async def test_event_batcher_groups_what_arrives_together_and_delays_little():
+    from clusterdns.sources.reflector import EventBatcher
+    from tests.fakeapi import service as svc_dict
+    from clusterdns.sources.objects import convert
+    store = StateStore()
+    batcher = EventBatcher(store, window=0.002, max_pending=50)
+    recs = [convert("Service", svc_dict("ns", f"s{i}", f"10.0.4.{i + 1}")) for i in range(120)]
+    for r in recs[:40]:
+        batcher.upsert("Service", r)
+    assert store.current.version == 0             # not yet: waits for the window
+    await asyncio.sleep(0.05)
+    assert store.current.version == 1 and len(store.current.services) == 40
+    for r in recs[40:120]:
+        batcher.upsert("Service", r)              # 80 > max_pending: one early flush
+    assert store.current.version == 2
+    await asyncio.sleep(0.05)
+    assert store.current.version == 3 and len(store.current.services) == 120
+    t = time.monotonic()
+    batcher.delete("Service", ("ns", "s0"))
+    await eventually(lambda: store.current.version == 4, what="single event")
+    assert time.monotonic() - t < 0.05
+    batcher.delete("Service", ("ns", "s1"))
+    batcher.replace("Service", recs[2:3])         # pending events go first, then the list
+    assert set(store.current.services) == {("ns", "s2")}
