@@ -1,0 +1,326 @@
+"""A one-node cluster in network namespaces, for real-traffic proxier tests.
+
+    ext (192.168.49.100, .101)  --veth--  node (192.168.49.2; 10.161.0.1 on every pod veth)
+                                            |-- veth /32 --  pod0 10.161.1.10   (node-a: local)
+                                            |-- veth /32 --  pod1 10.161.1.11   (node-b)
+                                            |-- veth /32 --  pod2 10.161.1.12   (node-b)
+                                            |-- veth /32 --  pod3 10.161.1.13   (not ready)
+                                            `-- veth /32 --  client 10.161.37.5 (no server)
+
+Pods are routed, not bridged (each has a /32 and a default route via
+10.161.0.1), so every packet between pods crosses the node's netfilter hooks,
+as on a real node with a routed CNI. Backends answer "<name> <peer>", so a
+test sees both which endpoint it reached and whether it was masqueraded.
+`clusterdns proxy` runs in the node namespace on a manifest the test writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+
+NODE_IP = "192.168.49.2"
+NODE_POD_GW = "10.161.0.1"          # the node's address towards pods: what masquerade shows
+EXT_IPS = ("192.168.49.100", "192.168.49.101")
+CLUSTER_CIDR = "10.161.0.0/16"
+PODS = {"pod0": "10.161.1.10", "pod1": "10.161.1.11", "pod2": "10.161.1.12", "pod3": "10.161.1.13",
+        "client": "10.161.37.5"}
+BACKENDS = ("pod0", "pod1", "pod2", "pod3")
+TCP_PORT, UDP_PORT = 8080, 5353
+
+
+def missing_requirements(modes=("iptables",)) -> str:
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    tools = ["ip", "conntrack"] + (["iptables-nft-restore"] if "iptables" in modes else []) + \
+        (["nft"] if "nftables" in modes else [])
+    for tool in tools:
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    return ""
+
+
+def sh(*argv: str, check: bool = True, ns: str | None = None, input: str | None = None) -> str:
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(argv)
+    res = subprocess.run(full, capture_output=True, text=True, input=input)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(full)}: {res.stderr.strip() or res.stdout.strip()}")
+    return res.stdout
+
+
+@dataclass
+class Outcome:
+    answers: list
+    errors: dict
+    local: str
+
+    @property
+    def names(self) -> set[str]:
+        return {a[0] for a in self.answers}
+
+    @property
+    def peers(self) -> set[str]:
+        return {a[1] for a in self.answers}
+
+    def verdict(self):
+        """('ok', endpoints, masqueraded) | ('refused',) | ('timeout',) | ('mixed', ...)."""
+        if self.answers and not self.errors:
+            masq = {peer != self.local for _, peer in self.answers}
+            if len(masq) == 1:
+                return ("ok", frozenset(self.names), masq.pop())
+        if not self.answers and set(self.errors) == {"refused"}:
+            return ("refused",)
+        if not self.answers and set(self.errors) == {"timeout"}:
+            return ("timeout",)
+        return ("mixed", sorted(self.names), self.errors, sorted(self.peers), self.local)
+
+
+@dataclass
+class Cluster:
+    tag: str = field(default_factory=lambda: f"{os.getpid()}")
+    procs: list = field(default_factory=list)
+    namespaces: list = field(default_factory=list)
+
+    def ns(self, name: str) -> str:
+        return f"cdn-{name}-{self.tag}"
+
+    @property
+    def node(self) -> str:
+        return self.ns("node")
+
+    # -- build and tear down
+    def up(self) -> None:
+        for name in ["node", "ext", *PODS]:
+            sh("ip", "netns", "add", self.ns(name))
+            self.namespaces.append(self.ns(name))
+            sh("ip", "link", "set", "lo", "up", ns=self.ns(name))
+        node = self.node
+        for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.route_localnet", "1"),
+                           ("net.ipv4.conf.all.rp_filter", "0"), ("net.ipv4.conf.default.rp_filter", "0")):
+            sh("sysctl", "-qw", f"{key}={value}", ns=node)
+        ext = self.ns("ext")
+        sh("ip", "link", "add", "to-ext", "netns", node, "type", "veth", "peer", "name", "eth0", "netns", ext)
+        sh("ip", "addr", "add", f"{NODE_IP}/24", "dev", "to-ext", ns=node)
+        sh("ip", "link", "set", "to-ext", "up", ns=node)
+        for ip in EXT_IPS:
+            sh("ip", "addr", "add", f"{ip}/24", "dev", "eth0", ns=ext)
+        sh("ip", "link", "set", "eth0", "up", ns=ext)
+        # External clients reach service addresses through the node.
+        for dst in ("172.30.0.0/16", "192.0.2.0/24", CLUSTER_CIDR):
+            sh("ip", "route", "add", dst, "via", NODE_IP, ns=ext)
+        # The node needs a route for ClusterIPs before DNAT picks the real one.
+        sh("ip", "route", "add", "default", "via", EXT_IPS[0], ns=node)
+        for i, (name, ip) in enumerate(PODS.items()):
+            pod, dev = self.ns(name), f"vp{i}"
+            sh("ip", "link", "add", dev, "netns", node, "type", "veth", "peer", "name", "eth0", "netns", pod)
+            sh("ip", "addr", "add", f"{NODE_POD_GW}/32", "dev", dev, ns=node)
+            sh("ip", "link", "set", dev, "up", ns=node)
+            sh("ip", "route", "add", f"{ip}/32", "dev", dev, ns=node)
+            sh("ip", "addr", "add", f"{ip}/32", "dev", "eth0", ns=pod)
+            sh("ip", "link", "set", "eth0", "up", ns=pod)
+            sh("ip", "route", "add", NODE_POD_GW, "dev", "eth0", ns=pod)
+            sh("ip", "route", "add", "default", "via", NODE_POD_GW, "dev", "eth0", ns=pod)
+        self.add_foreign_rules()
+        for name in BACKENDS:
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", self.ns(name), PY, os.path.join(HERE, "netserver.py"), name,
+                 str(TCP_PORT), str(UDP_PORT)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 10
+        for name in BACKENDS:
+            while True:
+                out = self.connect("node", "tcp", PODS[name], TCP_PORT, 1, timeout=0.5)
+                if out.names == {name}:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"backend {name} did not start: {out}")
+                time.sleep(0.05)
+
+    def add_foreign_rules(self) -> None:
+        """Rules another program owns: cleanup must leave them exactly as they are."""
+        node = self.node
+        sh("iptables-nft", "-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "9999", "-j", "ACCEPT", ns=node)
+        sh("iptables-nft", "-t", "nat", "-A", "POSTROUTING", "-s", "10.99.0.0/16", "-j", "RETURN", ns=node)
+        sh("iptables-nft", "-t", "mangle", "-A", "PREROUTING", "-p", "udp", "--dport", "9999", "-j", "RETURN",
+           ns=node)
+        sh("nft", "-f", "-", ns=node, input=(
+            "table inet foreign {\n chain c {\n  type filter hook input priority 10; policy accept;\n"
+            "  tcp dport 9998 accept\n }\n}\n"))
+
+    def down(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.procs.clear()
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+
+    # -- traffic
+    def connect(self, src: str, proto: str, host: str, port: int, count: int, *, bind: str = "",
+                sport: int = 0, timeout: float = 1.0, path: str = "/") -> Outcome:
+        argv = [PY, os.path.join(HERE, "netclient.py"), proto, host, str(port), str(count),
+                "--timeout", str(timeout), "--path", path]
+        if bind:
+            argv += ["--bind", bind]
+        if sport:
+            argv += ["--sport", str(sport)]
+        out = json.loads(sh(*argv, ns=self.ns(src)))
+        return Outcome(out["answers"], out["errors"], out["local"])
+
+    def save_rules(self) -> str:
+        """iptables and nftables state of the node, without counters and comments.
+
+        iptables-nft creates a built-in chain (an empty nft base chain with policy
+        accept) the first time a rule refers to it, and nobody deletes those: they
+        have no effect and iptables-save shows them either way, so they are left out."""
+        ruleset = re.sub(r"\n?\tchain \S+ \{\n\t\ttype [^\n]*policy accept;\n\t\}\n", "",
+                         sh("nft", "list", "ruleset", ns=self.node))
+        text = sh("iptables-nft-save", ns=self.node) + ruleset
+        lines = []
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            if line.startswith(":"):
+                line = line.split("[")[0]
+            lines.append(line)
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- manifest
+
+def service(name, ip, ports, *, type_="ClusterIP", external_ips=(), lb_ip="", ranges=(), local=False,
+            hcnp=0, affinity=False) -> dict:
+    spec = {"type": type_, "clusterIP": ip, "clusterIPs": [ip], "ports": ports}
+    if external_ips:
+        spec["externalIPs"] = list(external_ips)
+    if ranges:
+        spec["loadBalancerSourceRanges"] = list(ranges)
+    if local:
+        spec["externalTrafficPolicy"] = "Local"
+    if hcnp:
+        spec["healthCheckNodePort"] = hcnp
+    if affinity:
+        spec["sessionAffinity"] = "ClientIP"
+        spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 600}}
+    obj = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "t"}, "spec": spec}
+    if lb_ip:
+        obj["status"] = {"loadBalancer": {"ingress": [{"ip": lb_ip}]}}
+    return obj
+
+
+def port(name, proto, number, node_port=0) -> dict:
+    out = {"name": name, "protocol": proto, "port": number}
+    if node_port:
+        out["nodePort"] = node_port
+    return out
+
+
+def slice_(svc, pods, ports, *, not_ready=(), nodes=None) -> dict:
+    nodes = nodes or {}
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": f"{svc}-x", "namespace": "t", "labels": {"kubernetes.io/service-name": svc}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [PODS[p]], "conditions": {"ready": p not in not_ready},
+                       "nodeName": nodes.get(p, "node-b"),
+                       "targetRef": {"kind": "Pod", "name": p, "namespace": "t"}} for p in pods],
+        "ports": ports}
+
+
+HTTP = [port("http", "TCP", 80)]
+HTTP_EP = [port("http", "TCP", TCP_PORT)]
+DNS = [port("dns", "UDP", 53)]
+DNS_EP = [port("dns", "UDP", UDP_PORT)]
+LOCALITY = {"pod0": "node-a", "pod1": "node-b", "pod2": "node-b", "pod3": "node-b"}
+
+# Service addresses used by the tests.
+WEB, DNS_IP, NP_SVC, LOCAL_SVC, STICKY, EMPTY, HAIRPIN = (
+    "172.30.0.10", "172.30.0.16", "172.30.0.11", "172.30.0.12", "172.30.0.13", "172.30.0.14", "172.30.0.15")
+EXTERNAL_IP, LB_IP = "192.0.2.50", "192.0.2.80"
+NP_CLUSTER, NP_LOCAL, HCNP = 30080, 30081, 30900
+
+
+def manifest(dns_pods=("pod0", "pod1", "pod2")) -> dict:
+    ready3 = ("pod0", "pod1", "pod2", "pod3")
+    items = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "t"}},
+        service("web", WEB, HTTP),
+        slice_("web", ready3, HTTP_EP, not_ready=("pod3",)),
+        service("dns", DNS_IP, DNS),
+        slice_("dns", dns_pods, DNS_EP),
+        service("web-np", NP_SVC, [port("http", "TCP", 80, NP_CLUSTER)], type_="NodePort",
+                external_ips=(EXTERNAL_IP,)),
+        slice_("web-np", ready3, HTTP_EP, not_ready=("pod3",)),
+        service("web-local", LOCAL_SVC, [port("http", "TCP", 80, NP_LOCAL)], type_="LoadBalancer",
+                lb_ip=LB_IP, ranges=(f"{EXT_IPS[0]}/32",), local=True, hcnp=HCNP),
+        slice_("web-local", ("pod0", "pod1", "pod2"), HTTP_EP, nodes=LOCALITY),
+        service("sticky", STICKY, HTTP, affinity=True),
+        slice_("sticky", ("pod0", "pod1", "pod2"), HTTP_EP),
+        service("empty", EMPTY, HTTP + DNS),
+        service("hairpin", HAIRPIN, HTTP),
+        slice_("hairpin", ("pod0",), HTTP_EP),
+    ]
+    return {"apiVersion": "v1", "kind": "List", "items": items}
+
+
+def write_manifest(path: str, doc: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh)
+    os.replace(tmp, path)
+
+
+class Proxy:
+    """`clusterdns proxy` running in the node namespace."""
+
+    def __init__(self, cluster: Cluster, mode: str, manifest_path: str, log_path: str) -> None:
+        self.cluster, self.mode, self.path, self.log_path = cluster, mode, manifest_path, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def argv(self, *extra: str) -> list[str]:
+        return ["ip", "netns", "exec", self.cluster.node, PY, "-m", "clusterdns", "proxy",
+                "--manifest", self.path, "--node-ip", NODE_IP, "--node-name", "node-a",
+                "--cluster-cidr", CLUSTER_CIDR, "--proxy-mode", self.mode, *extra]
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            self.argv("--apply", "--min-sync-period", "0.1", "--sync-period", "30",
+                      "--health-listen", "127.0.0.1:10256", "--metrics-listen", "127.0.0.1:10256",
+                      "--log-level", "debug"), stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"clusterdns proxy exited: {self.logs()}")
+            out = self.cluster.connect("node", "http", "127.0.0.1", 10256, 1, timeout=0.5, path="/ready")
+            if out.answers == [["200", ""]]:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"clusterdns proxy never became ready: {self.logs()}")
+
+    def logs(self) -> str:
+        with open(self.log_path) as fh:
+            return fh.read()[-3000:]
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "log", None):
+            self.log.close()
+
+    def cleanup(self) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv("--cleanup"), capture_output=True, text=True, timeout=30)
