@@ -276,6 +276,24 @@ class FakeAPIServer:
         objs = list(objs)
         self._call(lambda: [self._write(o, None) for o in objs])
 
+    def load_manifest(self, path: str) -> int:
+        """Add every supported object of a manifest file (kubectl -o yaml dump, List, stream),
+        e.g. the demo cluster; returns how many. Other kinds are ignored."""
+        from clusterdns.sources.manifest import read_documents
+
+        def flatten(doc: Any) -> Iterable[Any]:
+            if isinstance(doc, list):
+                for d in doc:
+                    yield from flatten(d)
+            elif isinstance(doc, dict) and isinstance(doc.get("items"), list):
+                yield from flatten(doc["items"])
+            else:
+                yield doc
+        objs = [o for o in flatten(read_documents(path))
+                if isinstance(o, dict) and o.get("kind") in BY_KIND]
+        self.add_all(objs)
+        return len(objs)
+
     def delete(self, resource: str, name: str, namespace: str | None = None) -> dict | None:
         """Delete by resource (plural or kind) and name; returns the object or None."""
         return self._call(self._delete, self._resource(resource), namespace, name)

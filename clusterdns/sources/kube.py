@@ -71,13 +71,20 @@ async def _load_configuration(kubeconfig: str) -> tuple[Any, Any]:
                                "pod with a service account and KUBERNETES_SERVICE_HOST/PORT)") from None
         loader = None
     else:
-        for path in kubeconfig.split(os.pathsep):
-            if not os.access(path, os.R_OK):
-                reason = "no such file" if not os.path.exists(path) else "not readable"
-                raise _usage_error(f"kubeconfig {path}: {reason}")
+        # A KUBECONFIG list skips missing files, as kubectl does; one must exist.
+        paths = [os.path.expanduser(p) for p in kubeconfig.split(os.pathsep) if p]
+        present = [p for p in paths if os.path.exists(p)]
+        if not present:
+            raise _usage_error(f"kubeconfig {kubeconfig}: no such file")
+        for path in present:
+            if not os.path.isfile(path) or not os.access(path, os.R_OK):
+                raise _usage_error(f"kubeconfig {path}: not a readable file")
         try:
-            loader = await config.load_kube_config(config_file=kubeconfig, client_configuration=conf,
-                                                   persist_config=False)
+            loader = await config.load_kube_config(config_file=os.pathsep.join(present),
+                                                   client_configuration=conf, persist_config=False)
+        except (AttributeError, TypeError, KeyError):
+            raise _usage_error(f"kubeconfig {kubeconfig}: not a kubeconfig "
+                               "(expected a mapping with clusters, users and contexts)") from None
         except Exception as exc:   # yaml errors, ConfigException, exec plugin failures
             raise _usage_error(f"kubeconfig {kubeconfig}: {_one_line(exc)}") from None
     # No hidden retries: the reflector owns retrying, with backoff and metrics.

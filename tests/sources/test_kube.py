@@ -329,6 +329,22 @@ def test_list_once_publishes_one_complete_version(api, kubeconfig):
     assert store.current.is_synced("Service", "EndpointSlice", "Namespace", "Pod", "Node")
 
 
+def test_demo_cluster_through_the_api_matches_the_manifest(tmp_path):
+    from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+    expected = StateStore()
+    publish(expected, load_files([DEMO_MANIFEST])[0])
+    with FakeAPIServer() as server:
+        assert server.load_manifest(DEMO_MANIFEST) > 80
+        kc = server.write_kubeconfig(tmp_path / "kubeconfig")
+        store = StateStore()
+        list_once(load(["rules", "--kubeconfig", kc, "--pods", "verified"], env={}), store)
+    want, got = expected.current, store.current
+    assert dict(got.services) == dict(want.services)
+    assert dict(got.slices) == dict(want.slices)
+    assert dict(got.namespaces) == dict(want.namespaces)
+    assert dict(got.pods) == dict(want.pods)
+
+
 def test_list_once_unreachable_or_forbidden_is_a_usage_error(api, kubeconfig):
     api.forbid("services")
     with pytest.raises(UsageError, match="cannot list services at the cluster scope"):
@@ -345,11 +361,21 @@ def test_bad_kubeconfig_is_a_usage_error(tmp_path):
     garbage.write_text("clusters: [unterminated\n")
     with pytest.raises(UsageError, match="kubeconfig .*garbage"):
         KubeSource(config(str(garbage)), StateStore())
+    scalar = tmp_path / "scalar"
+    scalar.write_text("just text\n")
+    with pytest.raises(UsageError, match="not a kubeconfig"):
+        KubeSource(config(str(scalar)), StateStore())
     empty = tmp_path / "empty"
     empty.write_text("apiVersion: v1\nkind: Config\n")
     with pytest.raises(UsageError) as info:
         list_once(config(str(empty)), StateStore())
     assert "\n" not in str(info.value)
+
+
+def test_kubeconfig_list_skips_missing_files(api, kubeconfig, tmp_path):
+    store = StateStore()
+    list_once(config(f"{tmp_path}/missing:{kubeconfig}"), store)
+    assert names(store) == {"a", "b"}
 
 
 def test_cli_exit_code_2_for_unreadable_kubeconfig(tmp_path, capsys):
