@@ -17,15 +17,26 @@ With --proxy-mode none there are no rules to wait for and DNS reads the store.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
+from dataclasses import fields
 from types import MappingProxyType
 from typing import Callable
 
-from prometheus_client import Histogram
+from aiohttp import web
+from prometheus_client import Counter, Histogram
 
+from .config import ConfigError, load
+from .health import HealthServer
+from .localdns import LocalDNS, LocalDNSError
+from .localdns import cleanup as localdns_cleanup
 from .metrics import REGISTRY
-from .model import Endpoint, EndpointSlice, Service
+from .model import KINDS, Endpoint, EndpointSlice, Service
+from .proxy.healthcheck import aiohttp_handler
+from .proxy.proxier import Proxier
+from .sources.loader import make_source
 from .state import ClusterState, Delta, StateStore, Subscriber
 
 log = logging.getLogger(__name__)
@@ -35,6 +46,9 @@ DNS_PROGRAMMING = Histogram(
     "Time from an EndpointSlice change (its last-change-trigger-time) to DNS serving it.",
     ["service_kind"], registry=REGISTRY,
     buckets=tuple(0.001 * 2 ** i for i in range(20)))
+RELOADS = Counter("clusterdns_config_reloads_total",
+                  "Configuration reloads by result (applied, unchanged, failed).",
+                  ["result"], registry=REGISTRY)
 
 # States kept for versions the proxier may still report as applied. The
 # proxier syncs the newest state, so old ones are almost never asked for;
@@ -224,3 +238,337 @@ class DnsView:
                 fn(old, new, delta)
             except Exception:  # one consumer's bug must not stop the others
                 log.exception("DNS view subscriber failed")
+
+    def unsubscribe(self, fn: Subscriber) -> None:
+        if fn in self._subscribers:
+            self._subscribers.remove(fn)
+
+
+# ---------------------------------------------------------------- the agent
+
+# Which configuration fields each component reads, to restart only what a
+# reload changed. Anything not listed elsewhere belongs to DNS.
+SOURCE_FIELDS = {"manifest", "kubeconfig", "demo", "pods", "autopath", "node_name"}
+PROXY_FIELDS = {"node_name", "node_ips", "cluster_cidrs", "service_cidrs", "masquerade_all",
+                "masquerade_bit", "nodeport_addresses", "localhost_nodeports", "proxy_mode", "apply",
+                "ip_family", "sync_period", "min_sync_period", "demo"}
+HEALTH_FIELDS = {"health_listen", "metrics_listen"}
+AGENT_FIELDS = {"lameduck", "log_level", "config_file", "loop", "command", "cleanup"}
+LOCAL_FIELDS = {"local_ips", "apply", "demo"}
+
+
+def changed_fields(old, new) -> set[str]:
+    return {f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)}
+
+
+def demo_banner(cfg, bound: list[tuple[str, int]]) -> str:
+    host, port = bound[0] if bound else cfg.listen_addresses()[0]
+    at = f"@{host}" + (f" -p {port}" if port != 53 else "")
+    return ("clusterdns agent: demo cluster (no kubeconfig, no --manifest); rules are printed, not applied.\n"
+            f"  query it:  dig {at} testapp-svc.testapp.svc.cluster.local\n"
+            f"  trace it:  clusterdns trace testapp-svc --from-pod testapp/client")
+
+
+class Agent:
+    """Source -> StateStore -> Proxier, and -> DnsView -> DnsService; plus health,
+    local DNS addresses, lameduck shutdown and configuration reload.
+
+    executor: the proxier's CommandRunner (tests pass a slow or recording one).
+    argv: the command line, re-read on reload (SIGHUP or a changed --config).
+    """
+
+    def __init__(self, cfg, *, argv: list[str] | None = None, executor=None, forwarder=None,
+                 localdns_runner=None) -> None:
+        self.cfg = cfg
+        self.argv = argv
+        self.executor = executor
+        self.forwarder = forwarder
+        self.localdns_runner = localdns_runner
+        self.store = StateStore()
+        self.view = DnsView(self.store)
+        self.source = None
+        self.proxier = None
+        self.dns = None
+        self.health = None
+        self.localdns = None
+        self.reloads = 0
+        self.reload_errors = 0
+        self._tasks: dict[str, "asyncio.Task"] = {}
+        self._stopping = None
+        self._config_stamp = None
+        self._last_local_check = 0.0
+
+    # -- readiness
+    def not_ready(self) -> list[str]:
+        return self.health.not_ready() if self.health else ["starting"]
+
+    def _add_ready_checks(self, health) -> None:
+        for kind in KINDS:
+            health.add_ready_check(f"{kind} not synced", lambda k=kind: k in self.store.current.synced)
+        health.add_ready_check("first rule sync not done",
+                               lambda: self.proxier is None or self.proxier.syncs > 0)
+        health.add_ready_check("dns", lambda: self.dns is not None and self.dns.synced)
+
+    # -- building blocks
+    def _dns_store(self):
+        return self.store if self.cfg.proxy_mode == "none" else self.view
+
+    def _make_proxier(self):
+        if self.cfg.proxy_mode == "none":
+            return None
+        proxier = Proxier(self.cfg, self.store, executor=self.executor)
+        proxier.add_listener(self._on_rules_applied)
+        return proxier
+
+    def _on_rules_applied(self, version: int) -> None:
+        self.view.applied(version)
+        # A proxier full sync may insert its jumps above ours: re-check soon after.
+        if self.localdns is not None and self.clock() - self._last_local_check > 5.0:
+            self._last_local_check = self.clock()
+            self._spawn("localdns-check", self._check_localdns())
+
+    @staticmethod
+    def clock() -> float:
+        return time.monotonic()
+
+    async def _check_localdns(self) -> None:
+        try:
+            await self.localdns.check()
+        except LocalDNSError as exc:
+            log.error("local DNS check failed: %s", exc)
+
+    def _spawn(self, name: str, coro) -> None:
+        """Run a named background task; a newer one replaces it (a check already running is kept)."""
+        old = self._tasks.get(name)
+        if old is not None and not old.done():
+            if name == "localdns-check":
+                coro.close()
+                return
+            old.cancel()
+        self._tasks[name] = asyncio.ensure_future(coro)
+
+    async def _start_dns(self) -> None:
+        from .dns.server import DnsService
+        kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
+        self.dns = DnsService(self.cfg, self._dns_store(), **kwargs)
+        await self.dns.start()
+
+    async def _stop_dns(self) -> None:
+        if self.dns is None:
+            return
+        await self.dns.stop()
+        store = self.dns.store
+        if hasattr(store, "unsubscribe"):
+            store.unsubscribe(self.dns._on_state)
+        self.dns = None
+
+    async def _start_localdns(self) -> None:
+        if not self.cfg.local_ips:
+            return
+        if not self.cfg.applying:
+            log.warning("--local-ip given but not applying (--dry-run or demo): "
+                        "the addresses must already exist on this host")
+            return
+        self.localdns = LocalDNS(self.cfg.local_ips, self.localdns_runner)
+        await self.localdns.setup()
+        self._spawn("localdns", self.localdns.run())
+
+    async def _start_health(self) -> None:
+        health = HealthServer(self.cfg)
+        self._add_ready_checks(health)
+
+        async def proxier_health(request):
+            if self.proxier is None:
+                return web.Response(text="proxier disabled (--proxy-mode none)\n")
+            return await aiohttp_handler(self.proxier.health.respond)(request)
+        health.add_route("/healthz", proxier_health)
+        health.add_route("/livez", proxier_health)
+        await health.start()
+        if self.health is not None:
+            health.lameduck = self.health.lameduck
+        self.health = health
+
+    def _start_source(self) -> None:
+        self.source = make_source(self.cfg, self.store)
+        self._spawn("source", self.source.run())
+
+    def _start_proxier(self) -> None:
+        self.proxier = self._make_proxier()
+        if self.proxier is not None:
+            self._spawn("proxier", self.proxier.run())
+
+    async def _stop_proxier(self) -> None:
+        if self.proxier is None:
+            return
+        await self.proxier.stop()
+        task = self._tasks.pop("proxier", None)
+        if task is not None:
+            task.cancel()
+            await _quiet(task)
+        if hasattr(self.store, "unsubscribe"):
+            self.store.unsubscribe(self.proxier._on_change)
+        elif self.proxier._on_change in self.store._subscribers:
+            self.store._subscribers.remove(self.proxier._on_change)
+        self.proxier = None
+
+    # -- lifecycle
+    async def start(self) -> None:
+        """Everything up; raises UsageError (bad input) or OSError (an address in use)."""
+        self._stopping = asyncio.Event()
+        self._config_stamp = _stamp(self.cfg.config_file)
+        self._start_source()          # a broken manifest raises here
+        self._start_proxier()
+        await self._start_localdns()  # before DNS: it listens on these addresses
+        await self._start_dns()
+        await self._start_health()
+        if self.cfg.config_file:
+            self._spawn("config-watch", self._watch_config())
+
+    def banner(self) -> str:
+        from .dns.server import banner
+        text = banner(self.dns).replace("clusterdns dns", "clusterdns agent", 1)
+        mode = self.cfg.proxy_mode if self.proxier else "none"
+        text += f"; proxier: {mode} ({'applying' if self.cfg.applying else 'printing'})"
+        if self.health and self.health.bound:
+            text += "; health/ready/metrics on " + ", ".join(f"{h}:{p}" for h, p in self.health.bound)
+        if self.cfg.demo:
+            text += "\n" + demo_banner(self.cfg, self.dns.bound)
+        return text
+
+    def begin_shutdown(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def wait(self) -> int:
+        """Until shutdown is asked (then lameduck) or the source fails; the exit code."""
+        waiter = asyncio.ensure_future(self._stopping.wait())
+        watched = [t for n, t in self._tasks.items() if n in ("source", "proxier")]
+        done, _ = await asyncio.wait([waiter, *watched], return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if not self._stopping.is_set():
+            for t in done:
+                if t is not waiter:
+                    exc = None if t.cancelled() else t.exception()
+                    log.error("%s stopped: %s", _task_name(self._tasks, t), exc or "ended")
+            code = 1
+        elif self.cfg.lameduck > 0:
+            log.info("shutting down: lameduck for %gs (still answering, /ready 503)", self.cfg.lameduck)
+            self.health.lameduck = True
+            await asyncio.sleep(self.cfg.lameduck)
+        waiter.cancel()
+        await self.stop()
+        return code
+
+    async def stop(self) -> None:
+        """Stop serving. Rules and local addresses stay in the kernel, as kube-proxy's and
+        NodeLocal DNSCache's do across restarts; `clusterdns proxy --cleanup` removes them."""
+        if self.proxier is not None:
+            await self.proxier.stop()
+        for t in self._tasks.values():
+            t.cancel()
+        for t in list(self._tasks.values()):
+            await _quiet(t)
+        self._tasks.clear()
+        await self._stop_dns()
+        if self.health is not None:
+            await self.health.stop()
+        if self.proxier is not None and self.cfg.applying:
+            log.info("agent stopped (state version %d; rules of version %d stay in the kernel)",
+                     self.store.current.version, self.proxier.applied_version)
+        else:
+            log.info("agent stopped (state version %d)", self.store.current.version)
+
+    # -- reload
+    async def _watch_config(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            stamp = _stamp(self.cfg.config_file)
+            if stamp != self._config_stamp:
+                self._config_stamp = stamp
+                log.info("%s changed; reloading the configuration", self.cfg.config_file)
+                await self.reload()
+
+    async def reload(self) -> bool:
+        """Re-read the command line and --config file; restart what changed.
+
+        A bad configuration is reported and the running one kept (False)."""
+        if self.argv is None:
+            log.warning("reload: the command line is unknown; nothing to re-read")
+            return False
+        try:
+            new = load(self.argv)
+        except ConfigError as exc:
+            self.reload_errors += 1
+            RELOADS.labels("failed").inc()
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            return False
+        changed = changed_fields(self.cfg, new) - AGENT_FIELDS - {"config_file"}
+        old, self.cfg = self.cfg, new
+        if new.log_level != old.log_level:
+            logging.getLogger().setLevel(new.log_level.upper())
+        if not changed:
+            log.info("reload: configuration unchanged")
+            RELOADS.labels("unchanged").inc()
+            return True
+        log.info("reload: changed %s", ", ".join(sorted(changed)))
+        try:
+            if changed & SOURCE_FIELDS:
+                task = self._tasks.pop("source", None)
+                if task is not None:
+                    task.cancel()
+                    await _quiet(task)
+                self._start_source()
+            if changed & PROXY_FIELDS:
+                await self._stop_proxier()
+                self._start_proxier()
+                if self.proxier is not None:
+                    self.proxier.request_sync()
+            if changed & LOCAL_FIELDS and self.localdns is not None:
+                t = self._tasks.pop("localdns", None)
+                if t is not None:
+                    t.cancel()
+                await localdns_cleanup(self.localdns.runner)
+                self.localdns = None
+            if changed & LOCAL_FIELDS:
+                await self._start_localdns()
+            dns_changed = changed - SOURCE_FIELDS - PROXY_FIELDS - HEALTH_FIELDS
+            if dns_changed or "local_ips" in changed or (
+                    "proxy_mode" in changed and "none" in (old.proxy_mode, new.proxy_mode)):
+                await self._stop_dns()
+                await self._start_dns()
+            if changed & HEALTH_FIELDS:
+                await self.health.stop()
+                await self._start_health()
+        except Exception as exc:   # a half-applied reload: say so loudly; the process keeps running
+            self.reload_errors += 1
+            RELOADS.labels("failed").inc()
+            log.error("reload could not apply the new configuration: %s", exc)
+            return False
+        self.reloads += 1
+        RELOADS.labels("applied").inc()
+        return True
+
+
+def _stamp(path: str):
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError:
+        return ()
+
+
+async def _quiet(task) -> None:
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+
+
+def _task_name(tasks: dict, task) -> str:
+    for name, t in tasks.items():
+        if t is task:
+            return name
+    return "task"
+

@@ -147,3 +147,233 @@ def test_dns_programming_duration_observed_when_served():
     store.upsert("EndpointSlice", eps("h", "10.0.0.9", trigger=time.time()))
     assert _count("headless_with_selector") == h_before + 1
     assert DNS_PROGRAMMING is not None
+
+
+# ---------------------------------------------------------------- the running agent
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+
+import aiohttp  # noqa: E402
+import dns.asyncquery  # noqa: E402
+import dns.message  # noqa: E402
+import dns.rcode  # noqa: E402
+import pytest  # noqa: E402
+
+from clusterdns.agent import Agent  # noqa: E402
+from clusterdns.config import load  # noqa: E402
+from clusterdns.proxy.apply import Result  # noqa: E402
+from clusterdns.synthetic import to_manifest  # noqa: E402
+
+
+class SlowKernel:
+    """A CommandRunner standing in for iptables: restores take `delay` seconds and
+    are recorded with their completion time; reads answer as an empty kernel."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self.applied: list[tuple[float, str]] = []   # (completed at, restore text)
+        self.gate: asyncio.Event | None = None
+
+    async def run(self, argv, stdin=None):
+        argv = tuple(argv)
+        if "restore" in argv[0] and stdin is not None and "KUBE-SERVICES" in stdin:
+            if self.gate is not None:
+                await self.gate.wait()
+            await asyncio.sleep(self.delay)
+            self.applied.append((time.monotonic(), stdin))
+        return Result(argv, 0)
+
+    def has_rules_for(self, ip: str) -> bool:
+        return bool(self.applied) and f"-d {ip}" in self.applied[-1][1]
+
+
+def manifest(path, services):
+    """services: {name: (cluster_ip, [endpoint ips])} in namespace ns."""
+    recs = [("Namespace", Namespace("ns"))]
+    for name, (ip, ips) in services.items():
+        recs.append(("Service", svc(name, ip)))
+        recs.append(("EndpointSlice", eps(name, *ips)))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_manifest(recs))
+    tmp.replace(path)   # atomic: the source never reads half a file
+
+
+async def ask(port, name, qtype="A"):
+    q = dns.message.make_query(name, qtype)
+    r = await dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=2)
+    return dns.rcode.to_text(r.rcode()), [rd.to_text() for rrset in r.answer for rd in rrset], \
+        (r.answer[0].ttl if r.answer else None)
+
+
+def agent_cfg(tmp_path, *extra):
+    return load(["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", "127.0.0.1:0",
+                 "--no-upstream", "--health-listen", "127.0.0.1:0", "--metrics-listen", "none",
+                 "--min-sync-period", "0", "--lameduck", "0.5", *extra], env={})
+
+
+async def until(pred, timeout=5.0, step=0.02):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if await pred():
+            return True
+        await asyncio.sleep(step)
+    return False
+
+
+async def started(cfg, kernel, argv=None):
+    agent = Agent(cfg, argv=argv, executor=kernel)
+    await agent.start()
+    agent.source.interval = 0.05
+    return agent, agent.dns.bound[0][1]
+
+
+A_NAME = "a.ns.svc.cluster.local."
+B_NAME = "b.ns.svc.cluster.local."
+
+
+async def test_new_service_is_nxdomain_until_its_rules_are_in(tmp_path):
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    kernel = SlowKernel()
+    agent, port = await started(agent_cfg(tmp_path), kernel)
+    try:
+        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        kernel.delay = 1.0
+        manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
+        assert await until(lambda: _has(agent.store.current, "b"))
+        seen_nx_after_store = False
+        while True:
+            rcode, answers, _ = await ask(port, B_NAME)
+            if rcode == "NOERROR" and answers:
+                break
+            assert rcode == "NXDOMAIN"
+            assert not kernel.has_rules_for("10.96.0.6")
+            seen_nx_after_store = True
+            await asyncio.sleep(0.05)
+        assert answers == ["10.96.0.6"]
+        assert seen_nx_after_store                     # DNS waited for the slow kernel...
+        assert kernel.has_rules_for("10.96.0.6")       # ...and answered only once the rules were in
+
+        # Deleting: DNS first, rules after.
+        manifest(tmp_path / "cluster.json", {"b": ("10.96.0.6", ["10.0.0.2"])})
+        assert await until(lambda: _rcode(port, A_NAME, "NXDOMAIN"), timeout=3)
+        assert kernel.has_rules_for("10.96.0.5")       # the old rules are still being replaced
+        assert await until(lambda: _kernel_lacks(kernel, "10.96.0.5"), timeout=5)
+    finally:
+        await agent.stop()
+
+
+async def _answers(port, name, want):
+    rcode, answers, _ = await ask(port, name)
+    return answers == [want]
+
+
+async def _rcode(port, name, want):
+    return (await ask(port, name))[0] == want
+
+
+async def _has(state, name):
+    return ("ns", name) in state.services
+
+
+async def _kernel_lacks(kernel, ip):
+    return not kernel.has_rules_for(ip)
+
+
+async def test_proxy_mode_none_follows_the_store(tmp_path):
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    agent, port = await started(agent_cfg(tmp_path, "--proxy-mode", "none"), SlowKernel())
+    try:
+        assert agent.proxier is None and agent.dns.store is agent.store
+        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+    finally:
+        await agent.stop()
+
+
+async def _get(port, path):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{port}{path}") as r:
+            return r.status, await r.text()
+
+
+async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    kernel = SlowKernel()
+    kernel.gate = asyncio.Event()      # the first rule sync cannot finish yet
+    agent, port = await started(agent_cfg(tmp_path), kernel)
+    hport = agent.health.bound[0][1]
+    try:
+        assert await until(lambda: _has(agent.store.current, "a"))
+        status, text = await _get(hport, "/ready")
+        assert status == 503 and "first rule sync not done" in text and "Service not synced" not in text
+        assert (await ask(port, A_NAME))[0] == "NXDOMAIN"   # nothing in the kernel yet
+        kernel.gate.set()
+        assert await until(lambda: _ready(hport))
+        assert (await _get(hport, "/health"))[0] == 200
+        assert (await _get(hport, "/healthz"))[0] == 200
+
+        agent.begin_shutdown()
+        waiter = asyncio.ensure_future(agent.wait())
+        await asyncio.sleep(0.1)
+        status, text = await _get(hport, "/ready")
+        assert status == 503 and "lameduck" in text
+        assert (await _get(hport, "/health"))[0] == 200
+        assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]   # still answering
+        assert await asyncio.wait_for(waiter, 3) == 0
+        with pytest.raises(Exception):
+            await ask(port, A_NAME)
+    finally:
+        await agent.stop()
+
+
+async def _ready(hport):
+    return (await _get(hport, "/ready"))[0] == 200
+
+
+async def test_ready_before_the_state_is_listed(tmp_path):
+    # The manifest does not exist yet... the agent refuses it up front (exit 2 path).
+    from clusterdns.sources.manifest import ManifestError
+    agent = Agent(agent_cfg(tmp_path), executor=SlowKernel())
+    with pytest.raises(ManifestError):
+        await agent.start()
+    await agent.stop()
+
+
+async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    conf = tmp_path / "agent.yaml"
+    conf.write_text("apiVersion: clusterdns.io/v1alpha1\nkind: ClusterDNSConfiguration\nttl: 5\n")
+    argv = ["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", "127.0.0.1:0",
+            "--no-upstream", "--health-listen", "none", "--metrics-listen", "none",
+            "--min-sync-period", "0", "--config", str(conf)]
+    cfg = load(argv, env={})
+    agent, port = await started(cfg, SlowKernel(), argv=argv)
+    try:
+        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        assert (await ask(port, A_NAME))[2] == 5
+        conf.write_text("ttl: 17\n")
+        assert await until(lambda: _ttl(agent, A_NAME, 17), timeout=5)
+        assert agent.cfg.ttl == 17 and agent.reloads == 1
+        conf.write_text("ttl: [not, a, number\n")           # broken YAML
+        assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
+        assert agent.cfg.ttl == 17
+        assert (await ask(agent.dns.bound[0][1], A_NAME))[2] == 17   # still served, old config
+        conf.write_text("ttl: 99999\n")                      # valid YAML, invalid value
+        assert await until(lambda: _value(agent.reload_errors >= 2), timeout=5)
+        assert agent.cfg.ttl == 17
+        assert await agent.reload() is False                 # SIGHUP path, same result
+    finally:
+        await agent.stop()
+
+
+async def _ttl(agent, name, want):
+    if agent.dns is None or not agent.dns.bound:
+        return False
+    try:   # a query may hit the listener being replaced by the reload
+        return (await ask(agent.dns.bound[0][1], name))[2] == want
+    except Exception:
+        return False
+
+
+async def _value(v):
+    return v

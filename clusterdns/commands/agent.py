@@ -1,0 +1,64 @@
+"""`clusterdns agent`: the node agent (watch + DNS + proxier), see clusterdns/agent.py.
+
+SIGTERM/SIGINT: lameduck for --lameduck seconds (DNS keeps answering, /health
+OK, /ready 503), then exit 0; a second signal exits at once. SIGHUP, or a
+change of the --config file, reloads the configuration; a bad one is
+reported and the running one kept.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from ..agent import Agent
+from ..cli import UsageError
+from ..config import Config
+
+log = logging.getLogger("clusterdns.agent")
+
+
+async def serve(cfg: Config, argv: list[str] | None) -> int:
+    agent = Agent(cfg, argv=argv)
+    try:
+        await agent.start()
+    except OSError as exc:
+        await agent.stop()
+        raise UsageError(str(exc)) from None
+    except BaseException:
+        await agent.stop()
+        raise
+    print(agent.banner(), file=sys.stderr, flush=True)
+    loop = asyncio.get_running_loop()
+    signals = {"n": 0}
+
+    def on_stop() -> None:
+        signals["n"] += 1
+        if signals["n"] > 1:
+            log.warning("second signal: exiting now")
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            return
+        agent.begin_shutdown()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(agent.reload()))
+    try:
+        return await agent.wait()
+    except asyncio.CancelledError:
+        return 0
+
+
+def run(cfg: Config) -> int:
+    argv = sys.argv[1:] if sys.argv and sys.argv[1:2] == ["agent"] else None
+    if cfg.loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if cfg.loop == "uvloop":
+                raise UsageError("--loop uvloop: uvloop is not installed") from None
+        else:
+            return uvloop.run(serve(cfg, argv))
+    return asyncio.run(serve(cfg, argv))
