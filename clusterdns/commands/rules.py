@@ -1,0 +1,37 @@
+"""`clusterdns rules --mode iptables|nftables|ipvs`: print what the proxier would apply, and exit.
+
+The text is the applier's own input (iptables-restore / nft -f; for IPVS the
+ipvsadm-restore, ipset restore and iptables-restore inputs under headers),
+for the state read once from the configured source, family cfg.family.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..config import Config
+from ..sources.loader import load_once
+
+
+def render_text(state, cfg: Config, mode: str, family: int) -> str:
+    if mode == "nftables":
+        from ..proxy import nftables
+        return nftables.render(state, cfg, family).text
+    if mode == "ipvs":
+        from ..proxy import ipvs
+        conf = ipvs.render(state, cfg, family)
+        return "".join([
+            "# ipvsadm-restore input\n", conf.ipvsadm,
+            "# ipset restore input\n", conf.ipsets,
+            f"# {'ip6tables' if family == 6 else 'iptables'}-restore --noflush input\n", conf.iptables,
+            "# addresses on kube-ipvs0\n", "".join(f"# {a}\n" for a in conf.addresses),
+        ])
+    from ..proxy import iptables
+    return iptables.render(state, cfg, family).text
+
+
+def run(cfg: Config) -> int:
+    mode = cfg.mode or (cfg.proxy_mode if cfg.proxy_mode != "none" else "iptables")
+    state = load_once(cfg)
+    sys.stdout.write(render_text(state, cfg, mode, cfg.family))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,480 @@
+"""iptables mode: the iptables-restore input kube-proxy's iptables proxier would write.
+
+`render` is pure. Its text is complete on its own: loaded with
+`iptables-restore --noflush` (ip6tables-restore for family 6) into empty
+tables it gives the whole behaviour, including the jumps from the built-in
+chains, which full syncs insert with `-I` as kube-proxy does. Loading a full
+text twice inserts those jumps twice: an applier that already installed them
+checks with `iptables -C` (see `jump_rules`) and renders with `jumps=False`.
+
+Deliberate differences from kube-proxy are listed in docs/proxy.md (no nfacct
+counters; addresses in --service-cidr that no Service holds are not dropped in
+this mode, as in kube-proxy's iptables mode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Config
+from ..state import ClusterState
+from . import names as n
+from .servicemap import (
+    Categorized, EndpointInfo, NodeInfo, ServicePortInfo, gc_paused, localhost_nodeports, node_info,
+    service_ports,
+)
+
+# kube-proxy drops per-endpoint comments beyond this many endpoint chains
+LARGE_CLUSTER_ENDPOINTS = 1000
+
+FILTER_CHAINS = (n.KUBE_SERVICES, n.KUBE_EXTERNAL_SERVICES, n.KUBE_FORWARD, n.KUBE_NODEPORTS,
+                 n.KUBE_PROXY_FIREWALL)
+NAT_CHAINS = (n.KUBE_SERVICES, n.KUBE_NODEPORTS, n.KUBE_POSTROUTING, n.KUBE_MARK_MASQ)
+
+_NEW = "-m conntrack --ctstate NEW"
+# (table, built-in chain, extra match, comment, target), in kube-proxy's order;
+# each is inserted at the top, so the last one ends up first.
+_JUMPS = (
+    ("filter", "INPUT", _NEW, "kubernetes externally-visible service portals", n.KUBE_EXTERNAL_SERVICES),
+    ("filter", "FORWARD", _NEW, "kubernetes externally-visible service portals", n.KUBE_EXTERNAL_SERVICES),
+    ("filter", "INPUT", "", "kubernetes health check service ports", n.KUBE_NODEPORTS),
+    ("filter", "FORWARD", _NEW, "kubernetes service portals", n.KUBE_SERVICES),
+    ("filter", "OUTPUT", _NEW, "kubernetes service portals", n.KUBE_SERVICES),
+    ("filter", "FORWARD", "", "kubernetes forwarding rules", n.KUBE_FORWARD),
+    ("filter", "INPUT", _NEW, "kubernetes load balancer firewall", n.KUBE_PROXY_FIREWALL),
+    ("filter", "OUTPUT", _NEW, "kubernetes load balancer firewall", n.KUBE_PROXY_FIREWALL),
+    ("filter", "FORWARD", _NEW, "kubernetes load balancer firewall", n.KUBE_PROXY_FIREWALL),
+    ("nat", "OUTPUT", "", "kubernetes service portals", n.KUBE_SERVICES),
+    ("nat", "PREROUTING", "", "kubernetes service portals", n.KUBE_SERVICES),
+    ("nat", "POSTROUTING", "", "kubernetes postrouting rules", n.KUBE_POSTROUTING),
+)
+_KUBELET_JUMPS = (
+    ("filter", "INPUT", "", "", n.KUBE_FIREWALL),
+    ("filter", "OUTPUT", "", "", n.KUBE_FIREWALL),
+)
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    text: str
+    chains: dict[str, frozenset[str]]   # table -> every KUBE-* chain declared or kept
+    counts: dict[str, int]              # table -> rules written in this text
+    deleted: dict[str, frozenset[str]] = field(default_factory=dict)  # table -> chains removed (-X)
+    large_cluster: bool = False
+
+
+def _q(comment: str) -> str:
+    """Quote a comment the way kube-proxy writes it: only when it has a space."""
+    return f'"{comment}"' if " " in comment else comment
+
+
+def mark_hex(cfg: Config) -> str:
+    return hex(1 << cfg.masquerade_bit)
+
+
+def jump_rules(cfg: Config, family: int = 4) -> list[tuple[str, str, str]]:
+    """(table, built-in chain, rule spec) of every jump a full sync inserts.
+
+    The rule spec is what `iptables -t TABLE -C CHAIN <spec>` takes.
+    """
+    jumps = list(_JUMPS)
+    if _kube_firewall(cfg, node_info_for_cfg(cfg, family), family):
+        jumps += list(_KUBELET_JUMPS)
+    out = []
+    for table, chain, extra, comment, target in jumps:
+        parts = [extra] if extra else []
+        if comment:
+            parts.append(f"-m comment --comment {_q(comment)}")
+        parts.append(f"-j {target}")
+        out.append((table, chain, " ".join(parts)))
+    return out
+
+
+def node_info_for_cfg(cfg: Config, family: int) -> NodeInfo:
+    return node_info(ClusterState(), cfg, family)
+
+
+def _kube_firewall(cfg: Config, node: NodeInfo, family: int) -> bool:
+    return localhost_nodeports(cfg, node, family)
+
+
+class _Tables:
+    """Chain declarations and rules of one restore, per table, in write order."""
+
+    def __init__(self) -> None:
+        self.chains: dict[str, list[str]] = {"filter": [], "nat": []}
+        self.rules: dict[str, list[str]] = {"filter": [], "nat": []}
+
+
+def render(state: ClusterState, cfg: Config, family: int = 4, *,
+           only: set[tuple[str, str]] | None = None,
+           existing: dict[str, set[str]] | None = None,
+           jumps: bool = True) -> RuleSet:
+    """The iptables-restore text for `state`.
+
+    only: None for a full sync; else the Service keys whose per-service chains
+    are rewritten (a partial sync: the filter table and the top-level nat
+    chains are still rewritten whole). existing: chains now in the kernel
+    (table -> names); per-service chains among them that are no longer used
+    are flushed and deleted in the same text. jumps: whether a full sync
+    inserts the jumps from the built-in chains.
+    """
+    with gc_paused():
+        return _render(state, cfg, family, only, existing, jumps)
+
+
+def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, str]] | None,
+            existing: dict[str, set[str]] | None, jumps: bool) -> RuleSet:
+    node = node_info(state, cfg, family)
+    ports = service_ports(state, cfg, family)
+    mark = mark_hex(cfg)
+    full = only is None
+    local_np = localhost_nodeports(cfg, node, family)
+    large = sum(len(cat.all) for _, cat in ports) > LARGE_CLUSTER_ENDPOINTS
+
+    filter_chains = list(FILTER_CHAINS)
+    filter_rules: list[str] = []
+    nat_chains = list(NAT_CHAINS)
+    nat_rules: list[str] = []
+    nat_active: set[str] = set()
+
+    nat_rules += [
+        f"-A {n.KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN",
+        f"-A {n.KUBE_POSTROUTING} -j MARK --xor-mark {mark}",
+        f'-A {n.KUBE_POSTROUTING} -m comment --comment "kubernetes service traffic requiring SNAT" '
+        f"-j MASQUERADE --random-fully",
+        f"-A {n.KUBE_MARK_MASQ} -j MARK --or-mark {mark}",
+    ]
+    if local_np:
+        filter_chains.append(n.KUBE_FIREWALL)
+        filter_rules.append(
+            f'-A {n.KUBE_FIREWALL} -m comment --comment "block incoming localnet connections" '
+            f"-d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP")
+
+    svc_nat_chains: list[str] = []
+    svc_nat_rules: list[str] = []
+    for info, cat in ports:
+        write = full or info.service in only
+        chains_out = svc_nat_chains if write else None
+        rules_out = svc_nat_rules if write else None
+        _service(info, cat, node, cfg, large, filter_rules, nat_rules, chains_out, rules_out,
+                 nat_active, local_np)
+
+    # the last rule of KUBE-SERVICES: hand NodePorts over
+    np_comment = '"kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
+    if node.nodeport_all:
+        dest = "-m addrtype --dst-type LOCAL"
+        if family == 6:
+            dest += " ! -d ::1/128"
+        elif not local_np:
+            dest += " ! -d 127.0.0.0/8"
+        nat_rules.append(f"-A {n.KUBE_SERVICES} -m comment --comment {np_comment} {dest} -j {n.KUBE_NODEPORTS}")
+    else:
+        for ip in node.nodeport_ips:
+            if ip in ("127.0.0.1", "::1") and not local_np:
+                continue
+            nat_rules.append(f"-A {n.KUBE_SERVICES} -m comment --comment {np_comment} -d {ip} -j {n.KUBE_NODEPORTS}")
+
+    filter_rules += [
+        f"-A {n.KUBE_FORWARD} -m conntrack --ctstate INVALID -j DROP",
+        f'-A {n.KUBE_FORWARD} -m comment --comment "kubernetes forwarding rules" -m mark --mark {mark}/{mark} -j ACCEPT',
+        f'-A {n.KUBE_FORWARD} -m comment --comment "kubernetes forwarding conntrack rule" '
+        f"-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    ]
+
+    # stale per-service chains: declaring flushes them, then -X deletes them
+    deleted: set[str] = set()
+    for chain in sorted((existing or {}).get("nat", ())):
+        if n.is_service_chain(chain) and chain not in nat_active:
+            deleted.add(chain)
+
+    nat_chains += svc_nat_chains
+    nat_chains += sorted(deleted)
+    all_nat_rules = nat_rules + svc_nat_rules
+    all_nat_rules += [f"-X {c}" for c in sorted(deleted)]
+
+    jump_lines: dict[str, list[str]] = {"filter": [], "nat": []}
+    if full and jumps:
+        for table, chain, spec in jump_rules(cfg, family):
+            jump_lines[table].append(f"-I {chain} {spec}")
+
+    out: list[str] = []
+    if full:
+        out += ["*mangle", f":{n.KUBE_PROXY_CANARY} - [0:0]", "COMMIT"]
+    out.append("*filter")
+    if full:
+        out.append(f":{n.KUBE_PROXY_CANARY} - [0:0]")
+    out += [f":{c} - [0:0]" for c in filter_chains]
+    out += jump_lines["filter"]
+    out += filter_rules
+    out.append("COMMIT")
+    out.append("*nat")
+    if full:
+        out.append(f":{n.KUBE_PROXY_CANARY} - [0:0]")
+    out += [f":{c} - [0:0]" for c in nat_chains]
+    out += jump_lines["nat"]
+    out += all_nat_rules
+    out.append("COMMIT")
+    text = "\n".join(out) + "\n"
+
+    filter_keep = set(filter_chains) | {n.KUBE_PROXY_CANARY}
+    nat_keep = set(NAT_CHAINS) | nat_active | {n.KUBE_PROXY_CANARY}
+    chains = {"filter": frozenset(filter_keep), "nat": frozenset(nat_keep)}
+    if full:
+        chains["mangle"] = frozenset({n.KUBE_PROXY_CANARY})
+    counts = {
+        "filter": len(filter_rules) + len(jump_lines["filter"]),
+        "nat": sum(1 for r in all_nat_rules if not r.startswith("-X")) + len(jump_lines["nat"]),
+    }
+    return RuleSet(text=text, chains=chains, counts=counts,
+                   deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large)
+
+
+def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config, large: bool,
+             filter_rules: list[str], nat_top: list[str],
+             nat_chains: list[str] | None, nat_rules: list[str] | None,
+             nat_active: set[str], local_np: bool) -> None:
+    """Rules of one service port (kube-proxy's syncProxyRules loop body).
+
+    filter_rules and nat_top (KUBE-SERVICES/KUBE-NODEPORTS) always receive
+    their rules; nat_chains/nat_rules are None when this service's chains are
+    skipped in a partial sync (they are still counted as active).
+    """
+    proto = info.protocol
+    name = info.name
+    port = info.port_number
+    has_endpoints = cat.has_endpoints
+
+    h = n.port_proto_hash(name, proto)
+    cluster_chain = "KUBE-SVC-" + h
+    local_chain = "KUBE-SVL-" + h
+    uses_cluster_chain = bool(cat.cluster) and info.uses_cluster_endpoints
+    uses_local_chain = bool(cat.local) and info.uses_local_endpoints
+
+    internal_chain = cluster_chain
+    has_internal = has_endpoints
+    if info.internal_local:
+        internal_chain = local_chain
+        has_internal = has_internal and bool(cat.local)
+    external_policy_chain = cluster_chain
+    has_external = has_endpoints
+    if info.external_local:
+        external_policy_chain = local_chain
+        has_external = has_external and bool(cat.local)
+    ext_chain = "KUBE-EXT-" + h
+    uses_ext_chain = has_endpoints and info.externally_accessible
+    fw_chain = "KUBE-FW-" + h
+    uses_fw_chain = has_endpoints and bool(info.lb_ips) and bool(info.lb_source_ranges)
+    lb_chain = fw_chain if uses_fw_chain else ext_chain
+
+    int_target = ext_target = int_comment = ext_comment = ""
+    if not has_endpoints:
+        int_target = ext_target = "REJECT"
+        int_comment = ext_comment = f'"{name} has no endpoints"'
+    else:
+        if not has_internal:
+            int_target, int_comment = "DROP", f'"{name} has no local endpoints"'
+        if not has_external:
+            ext_target, ext_comment = "DROP", f'"{name} has no local endpoints"'
+
+    pp = f"-m {proto} -p {proto}"
+    cip = info.cluster_ip
+    if has_internal:
+        nat_top.append(f'-A {n.KUBE_SERVICES} -m comment --comment "{name} cluster IP" {pp} '
+                       f"-d {cip} --dport {port} -j {internal_chain}")
+    else:
+        filter_rules.append(f"-A {n.KUBE_SERVICES} -m comment --comment {int_comment} {pp} "
+                            f"-d {cip} --dport {port} -j {int_target}")
+
+    for eip in info.external_ips:
+        if has_endpoints:
+            nat_top.append(f'-A {n.KUBE_SERVICES} -m comment --comment "{name} external IP" {pp} '
+                           f"-d {eip} --dport {port} -j {ext_chain}")
+        if not has_external:
+            filter_rules.append(f"-A {n.KUBE_EXTERNAL_SERVICES} -m comment --comment {ext_comment} {pp} "
+                                f"-d {eip} --dport {port} -j {ext_target}")
+
+    for lbip in info.lb_ips:
+        if has_endpoints:
+            nat_top.append(f'-A {n.KUBE_SERVICES} -m comment --comment "{name} loadbalancer IP" {pp} '
+                           f"-d {lbip} --dport {port} -j {lb_chain}")
+        if uses_fw_chain:
+            filter_rules.append(f'-A {n.KUBE_PROXY_FIREWALL} -m comment --comment "{name} traffic not accepted by '
+                                f'{fw_chain}" {pp} -d {lbip} --dport {port} -j DROP')
+    if not has_external:
+        for lbip in info.lb_ips:
+            filter_rules.append(f"-A {n.KUBE_EXTERNAL_SERVICES} -m comment --comment {ext_comment} {pp} "
+                                f"-d {lbip} --dport {port} -j {ext_target}")
+
+    if info.node_port:
+        if has_endpoints:
+            # kube-proxy also writes a 127.0.0.0/8 copy counting packets with nfacct;
+            # it is only a counter, and nfacct objects are not ours to create.
+            nat_top.append(f"-A {n.KUBE_NODEPORTS} -m comment --comment {_q(name)} {pp} "
+                           f"--dport {info.node_port} -j {ext_chain}")
+        if not has_external:
+            filter_rules.append(f"-A {n.KUBE_EXTERNAL_SERVICES} -m comment --comment {ext_comment} "
+                                f"-m addrtype --dst-type LOCAL {pp} --dport {info.node_port} -j {ext_target}")
+
+    if info.health_check_node_port:
+        filter_rules.append(f'-A {n.KUBE_NODEPORTS} -m comment --comment "{name} health check node port" '
+                            f"-m tcp -p tcp --dport {info.health_check_node_port} -j ACCEPT")
+
+    # per-service chains: computed always (they are active), written only when asked
+    chains: list[str] = []
+    rules: list[str] = []
+    if has_internal:
+        args = f'-m comment --comment "{name} cluster IP" {pp} -d {cip} --dport {port}'
+        if cfg.masquerade_all:
+            rules.append(f"-A {internal_chain} {args} -j {n.KUBE_MARK_MASQ}")
+        elif node.local_cidr:
+            rules.append(f"-A {internal_chain} {args} ! -s {node.local_cidr} -j {n.KUBE_MARK_MASQ}")
+
+    if uses_ext_chain:
+        chains.append(ext_chain)
+        if not info.external_local:
+            rules.append(f'-A {ext_chain} -m comment --comment "masquerade traffic for {name} external '
+                         f'destinations" -j {n.KUBE_MARK_MASQ}')
+        else:
+            if node.local_cidr:
+                rules.append(f'-A {ext_chain} -m comment --comment "pod traffic for {name} external '
+                             f'destinations" -s {node.local_cidr} -j {cluster_chain}')
+            rules.append(f'-A {ext_chain} -m comment --comment "masquerade LOCAL traffic for {name} external '
+                         f'destinations" -m addrtype --src-type LOCAL -j {n.KUBE_MARK_MASQ}')
+            rules.append(f'-A {ext_chain} -m comment --comment "route LOCAL traffic for {name} external '
+                         f'destinations" -m addrtype --src-type LOCAL -j {cluster_chain}')
+        if has_external:
+            rules.append(f"-A {ext_chain} -j {external_policy_chain}")
+
+    if uses_fw_chain:
+        chains.append(fw_chain)
+        fw_args = f'-A {fw_chain} -m comment --comment "{name} loadbalancer IP"'
+        allow_from_node = False
+        for cidr in info.lb_source_ranges:
+            rules.append(f"{fw_args} -s {cidr} -j {ext_chain}")
+            if node.primary_ip and _contains(cidr, node.primary_ip):
+                allow_from_node = True
+        if allow_from_node:
+            for lbip in info.lb_ips:
+                rules.append(f"{fw_args} -s {lbip} -j {ext_chain}")
+        rules.append(f'-A {fw_chain} -m comment --comment "other traffic to {name} will be dropped by '
+                     f'{n.KUBE_PROXY_FIREWALL}"')
+
+    seps = {ep.endpoint: n.sep_chain(name, proto, ep.endpoint) for ep in cat.reachable}
+    if uses_cluster_chain:
+        chains.append(cluster_chain)
+        _endpoint_rules(rules, info, cluster_chain, cat.cluster, large, seps)
+    if uses_local_chain:
+        chains.append(local_chain)
+        _endpoint_rules(rules, info, local_chain, cat.local, large, seps)
+
+    for ep in cat.reachable:
+        sep = seps[ep.endpoint]
+        chains.append(sep)
+        head = f"-A {sep}" if large else f"-A {sep} -m comment --comment {_q(name)}"
+        rules.append(f"{head} -s {ep.ip} -j {n.KUBE_MARK_MASQ}")
+        affinity = f" -m recent --name {sep} --set" if info.affinity_timeout else ""
+        rules.append(f"{head}{affinity} {pp} -j DNAT --to-destination {ep.endpoint}")
+
+    # the chain that internal traffic uses must exist even when only the masquerade rule is there
+    nat_active.update(chains)
+    if nat_chains is not None and nat_rules is not None:
+        nat_chains.extend(chains)
+        nat_rules.extend(rules)
+
+
+def _endpoint_rules(rules: list[str], info: ServicePortInfo, chain: str,
+                    endpoints: tuple[EndpointInfo, ...], large: bool, seps: dict[str, str]) -> None:
+    name = info.name
+    if info.affinity_timeout:
+        for ep in endpoints:
+            sep = seps[ep.endpoint]
+            comment = "" if large else f' -m comment --comment "{name} -> {ep.endpoint}"'
+            rules.append(f"-A {chain}{comment} -m recent --name {sep} --rcheck "
+                         f"--seconds {info.affinity_timeout} --reap -j {sep}")
+    count = len(endpoints)
+    for i, ep in enumerate(endpoints):
+        sep = seps[ep.endpoint]
+        comment = "" if large else f' -m comment --comment "{name} -> {ep.endpoint}"'
+        stat = ""
+        if i < count - 1:
+            stat = _PROBABILITY_MATCH[count - i] if count - i < 64 else \
+                f" -m statistic --mode random --probability {probability(count - i)}"
+        rules.append(f"-A {chain}{comment}{stat} -j {sep}")
+
+
+def probability(n_endpoints: int) -> str:
+    """1/n with 10 decimals, as kube-proxy's "%0.10f"."""
+    return "%0.10f" % (1.0 / n_endpoints)
+
+
+_PROBABILITY_MATCH = [""] + [f" -m statistic --mode random --probability {probability(i)}" for i in range(1, 64)]
+
+
+def _contains(cidr: str, ip: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(ip) in ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return False
+
+
+def parse_chains(save_text: str) -> dict[str, set[str]]:
+    """Chains per table from iptables-save output (the `existing` argument)."""
+    out: dict[str, set[str]] = {}
+    table = ""
+    for line in save_text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+            out.setdefault(table, set())
+        elif line.startswith(":") and table:
+            out[table].add(line[1:].split()[0])
+    return out
+
+
+def _our_chain(name: str) -> bool:
+    return name.startswith("KUBE-") and name != "KUBE-KUBELET-CANARY"
+
+
+def cleanup_text(existing: dict[str, set[str]], family: int = 4, *, save_text: str | None = None) -> str:
+    """iptables-restore input removing every chain and jump clusterdns installs, and nothing else.
+
+    existing: chains per table now in the kernel (parse_chains of iptables-save).
+    With save_text (the iptables-save output) the jumps deleted are exactly the
+    rules found there; without it, the jumps a full sync inserts, for each
+    target chain that exists (which fails if such a jump was removed by hand).
+    """
+    tables = ("mangle", "filter", "nat")
+    jumps_by_table: dict[str, list[str]] = {t: [] for t in tables}
+    if save_text is not None:
+        table = ""
+        for line in save_text.splitlines():
+            if line.startswith("*"):
+                table = line[1:].strip()
+            elif line.startswith("-A ") and table in jumps_by_table:
+                parts = line.split()
+                chain = parts[1]
+                target = parts[parts.index("-j") + 1] if "-j" in parts else ""
+                if not _our_chain(chain) and _our_chain(target):
+                    jumps_by_table[table].append("-D " + line[3:])
+    else:
+        for table, chain, extra, comment, target in _JUMPS + _KUBELET_JUMPS:
+            if target in existing.get(table, ()):
+                parts = [extra] if extra else []
+                if comment:
+                    parts.append(f"-m comment --comment {_q(comment)}")
+                parts.append(f"-j {target}")
+                jumps_by_table[table].append(f"-D {chain} {' '.join(parts)}")
+    out: list[str] = []
+    for table in tables:
+        ours = sorted(c for c in existing.get(table, ()) if _our_chain(c))
+        if not ours and not jumps_by_table[table]:
+            continue
+        out.append(f"*{table}")
+        out += [f":{c} - [0:0]" for c in ours]
+        out += jumps_by_table[table]
+        out += [f"-X {c}" for c in ours]
+        out.append("COMMIT")
+    return "\n".join(out) + "\n" if out else ""
+
+
+__all__ = ["RuleSet", "cleanup_text", "jump_rules", "parse_chains", "probability", "render"]

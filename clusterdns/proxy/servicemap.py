@@ -1,0 +1,378 @@
+"""Service ports and their endpoints as kube-proxy sees them, for one IP family.
+
+Shared by every rule generator (iptables, nftables, IPVS) and by `trace`.
+Semantics follow kube-proxy: a service port is namespace/name + port name +
+protocol; endpoints come only from slices of the family, matched by port
+name and protocol, first address only, sorted by their "IP:port" string; and
+CategorizeEndpoints decides which endpoints Cluster and Local policies use.
+"""
+from __future__ import annotations
+
+import gc
+import ipaddress
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+from ..config import Config
+from ..model import IPV4, IPV6, Endpoint, EndpointSlice, Service, ServicePort
+from ..state import ClusterState
+from . import names
+
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+def _family_of(ip: str) -> int:
+    return 6 if ":" in ip else 4
+
+
+def format_endpoint(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class EndpointInfo(NamedTuple):
+    """One endpoint of a service port (a tuple: hundreds of thousands are built per render)."""
+    ip: str
+    port: int
+    endpoint: str                  # "IP:port", or "[IP]:port" for IPv6: kube-proxy's endpoint string
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    local: bool = False
+    zone: str = ""
+    hint_zones: tuple[str, ...] | None = None
+    node_name: str = ""
+    pod_namespace: str = ""
+    pod_name: str = ""
+
+    @property
+    def usable(self) -> bool:
+        """Counts towards "has endpoints": ready, or serving while terminating."""
+        return self.ready or (self.serving and self.terminating)
+
+
+@dataclass(frozen=True)
+class ServicePortInfo:
+    service: tuple[str, str]       # (namespace, name)
+    port: ServicePort
+    name: str                      # "ns/name:port", or "ns/name" for an unnamed port
+    protocol: str                  # lower case: tcp, udp, sctp
+    cluster_ip: str                # of this family
+    family: int = 4
+    external_ips: tuple[str, ...] = ()
+    lb_ips: tuple[str, ...] = ()
+    lb_source_ranges: tuple[str, ...] = ()
+    node_port: int = 0
+    affinity_timeout: int = 0      # 0: no ClientIP affinity
+    external_local: bool = False   # externalTrafficPolicy Local (only when externally accessible)
+    internal_local: bool = False   # internalTrafficPolicy Local
+    health_check_node_port: int = 0
+    topology_aware: bool = False
+
+    @property
+    def namespace(self) -> str:
+        return self.service[0]
+
+    @property
+    def service_name(self) -> str:
+        return self.service[1]
+
+    @property
+    def port_number(self) -> int:
+        return self.port.port
+
+    @property
+    def port_name(self) -> str:
+        return self.port.name
+
+    @property
+    def externally_accessible(self) -> bool:
+        return bool(self.node_port or self.lb_ips or self.external_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        return not self.internal_local or (self.externally_accessible and not self.external_local)
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        return self.internal_local or (self.externally_accessible and self.external_local)
+
+    # iptables chain names
+    @property
+    def svc_chain(self) -> str:
+        return names.svc_chain(self.name, self.protocol)
+
+    @property
+    def svl_chain(self) -> str:
+        return names.svl_chain(self.name, self.protocol)
+
+    @property
+    def ext_chain(self) -> str:
+        return names.ext_chain(self.name, self.protocol)
+
+    @property
+    def fw_chain(self) -> str:
+        return names.fw_chain(self.name, self.protocol)
+
+    def sep_chain(self, ep: EndpointInfo) -> str:
+        return names.sep_chain(self.name, self.protocol, ep.endpoint)
+
+    # nftables base names
+    @property
+    def nft_base(self) -> str:
+        return names.nft_service_base(self.namespace, self.service_name, self.protocol, self.port_name)
+
+    def nft_endpoint_base(self, ep: EndpointInfo) -> str:
+        return names.nft_endpoint_base(self.namespace, self.service_name, self.protocol,
+                                       self.port_name, ep.ip, ep.port)
+
+
+class Categorized(NamedTuple):
+    """kube-proxy's CategorizeEndpoints result for one service port."""
+    all: tuple[EndpointInfo, ...] = ()        # every endpoint of the port, sorted
+    cluster: tuple[EndpointInfo, ...] = ()    # used by Cluster policies
+    local: tuple[EndpointInfo, ...] = ()      # used by Local policies
+    reachable: tuple[EndpointInfo, ...] = ()  # union of both: the endpoint chains to create
+    has_endpoints: bool = False
+    uses_topology: bool = False
+
+    @property
+    def has_local(self) -> bool:
+        return bool(self.local)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the proxier knows about its own node, for one family."""
+    name: str = ""
+    zone: str = ""                        # "" when unknown: topology is not used
+    ips: tuple[str, ...] = ()             # of this family, primary first
+    local_cidr: str = ""                  # the local-traffic detector; "" = none
+    nodeport_all: bool = True             # NodePorts on every local address
+    nodeport_ips: tuple[str, ...] = field(default=())  # else: these addresses
+
+    @property
+    def primary_ip(self) -> str:
+        return self.ips[0] if self.ips else ""
+
+
+def node_info(state: ClusterState, cfg: Config, family: int) -> NodeInfo:
+    """The node's name, zone, addresses and NodePort addresses for one family.
+
+    Addresses come from --node-ip; without it, from this node's Node object.
+    --nodeport-addresses takes CIDRs (an address of the node inside one
+    accepts NodePorts; a CIDR holding 127.0.0.1 adds loopback), "primary" (the
+    first node address of the family) or "all".
+    """
+    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
+    ips = tuple(ip for ip in cfg.node_ips if _family_of(ip) == family)
+    if not cfg.node_ips and node is not None:
+        ips = tuple(ip for ip in node.addresses if _is_ip(ip) and _family_of(ip) == family)
+    local_cidr = ""
+    for cidr in cfg.cluster_cidrs:
+        net = ipaddress.ip_network(cidr, strict=False)
+        if net.version == family:
+            local_cidr = str(net)
+            break
+    nodeport_all = True
+    np_ips: list[str] = []
+    if cfg.nodeport_addresses and "all" not in cfg.nodeport_addresses:
+        nodeport_all = False
+        nets = []
+        for item in cfg.nodeport_addresses:
+            if item == "primary":
+                if ips and ips[0] not in np_ips:
+                    np_ips.append(ips[0])
+                continue
+            net = ipaddress.ip_network(item, strict=False)
+            if net.version == family:
+                nets.append(net)
+        candidates = list(ips) + (["127.0.0.1"] if family == 4 else ["::1"])
+        for ip in candidates:
+            addr = ipaddress.ip_address(ip)
+            if any(addr in n for n in nets) and ip not in np_ips:
+                np_ips.append(ip)
+    return NodeInfo(name=cfg.node_name, zone=node.zone if node is not None else "",
+                    ips=ips, local_cidr=local_cidr, nodeport_all=nodeport_all,
+                    nodeport_ips=tuple(np_ips))
+
+
+def localhost_nodeports(cfg: Config, node: NodeInfo, family: int) -> bool:
+    """IPv4 NodePorts on 127.0.0.1 (iptables mode): on unless disabled or excluded."""
+    if family != 4 or not cfg.localhost_nodeports:
+        return False
+    return node.nodeport_all or "127.0.0.1" in node.nodeport_ips
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _in_family(ips: tuple[str, ...], family: int) -> tuple[str, ...]:
+    return tuple(ip for ip in ips if _family_of(ip) == family)
+
+
+def _endpoints_for(slices: tuple[EndpointSlice, ...], port: ServicePort, address_type: str,
+                   node_name: str) -> tuple[EndpointInfo, ...]:
+    found: dict[str, EndpointInfo] = {}
+    new = tuple.__new__   # EndpointInfo without the keyword-handling wrapper: this loop is hot
+    for sl in slices:
+        if sl.address_type != address_type:
+            continue
+        number = None
+        for ep_port in sl.ports:
+            if ep_port.name == port.name and ep_port.protocol == port.protocol:
+                number = ep_port.port
+                break
+        if not number:
+            continue
+        v6 = address_type == IPV6
+        for ep in sl.endpoints:
+            if not ep.addresses:
+                continue
+            ip = ep.addresses[0]
+            key = f"[{ip}]:{number}" if v6 else f"{ip}:{number}"
+            info = new(EndpointInfo, (
+                ip, number, key, ep.ready, ep.serving, ep.terminating,
+                bool(node_name) and ep.node_name == node_name, ep.zone, ep.hint_zones,
+                ep.node_name, ep.pod_namespace, ep.pod_name))
+            old = found.get(key)
+            # the same address in two slices (a pod moving between them): prefer a ready copy
+            if old is None or (info.ready and not old.ready):
+                found[key] = info
+    return tuple([found[k] for k in sorted(found)])
+
+
+def _can_use_topology(svc: ServicePortInfo, eps: tuple[EndpointInfo, ...], zone: str) -> bool:
+    if not svc.topology_aware or not zone:
+        return False
+    has_zone = False
+    for ep in eps:
+        if not ep.ready:
+            continue
+        if not ep.hint_zones:
+            return False  # one ready endpoint without hints disables topology
+        if zone in ep.hint_zones:
+            has_zone = True
+    return has_zone
+
+
+def categorize(svc: ServicePortInfo, eps: tuple[EndpointInfo, ...], zone: str = "") -> Categorized:
+    """kube-proxy's CategorizeEndpoints."""
+    cluster: tuple[EndpointInfo, ...] = ()
+    local: tuple[EndpointInfo, ...] = ()
+    has_any = False
+    use_topology = False
+    serving_terminating_local = False
+    if svc.uses_cluster_endpoints:
+        use_topology = _can_use_topology(svc, eps, zone)
+        if use_topology:
+            cluster = tuple([e for e in eps if e.ready and e.hint_zones is not None and zone in e.hint_zones])
+        else:
+            cluster = tuple([e for e in eps if e.ready])
+        if not cluster:
+            cluster = tuple(e for e in eps if e.serving and e.terminating)
+        has_any = bool(cluster)
+    if not svc.uses_local_endpoints:
+        return Categorized(eps, cluster, (), cluster, has_any, use_topology)
+    local_ready = False
+    local_st = False
+    for e in eps:
+        if e.ready:
+            has_any = True
+            local_ready = local_ready or e.local
+        elif e.serving and e.terminating:
+            has_any = True
+            local_st = local_st or e.local
+    if local_ready:
+        local = tuple(e for e in eps if e.local and e.ready)
+    elif local_st:
+        serving_terminating_local = True
+        local = tuple(e for e in eps if e.local and e.serving and e.terminating)
+    if not svc.uses_cluster_endpoints:
+        return Categorized(eps, (), local, local, has_any, use_topology)
+    if not use_topology and not serving_terminating_local:
+        return Categorized(eps, cluster, local, cluster, has_any, use_topology)
+    merged = {e.endpoint: e for e in cluster}
+    merged.update({e.endpoint: e for e in local})
+    reachable = tuple(merged[k] for k in sorted(merged))
+    return Categorized(eps, cluster, local, reachable, has_any, use_topology)
+
+
+def service_port_infos(svc: Service, family: int) -> list[ServicePortInfo]:
+    """The service ports kube-proxy would program for this Service and family."""
+    if svc.headless or svc.is_external_name or svc.proxy_name:
+        return []
+    cluster_ips = _in_family(svc.cluster_ips, family)
+    if not cluster_ips:
+        return []
+    external_ips = _in_family(svc.external_ips, family)
+    lb_ips = _in_family(svc.lb_ips, family)
+    ranges = tuple(r for r in svc.lb_source_ranges
+                   if ipaddress.ip_network(r, strict=False).version == family)
+    out = []
+    for port in svc.ports:
+        sp_name = f"{svc.namespace}/{svc.name}:{port.name}" if port.name else f"{svc.namespace}/{svc.name}"
+        info = ServicePortInfo(
+            service=svc.key, port=port, name=sp_name, protocol=port.protocol.lower(),
+            cluster_ip=cluster_ips[0], family=family, external_ips=external_ips, lb_ips=lb_ips,
+            lb_source_ranges=ranges, node_port=port.node_port,
+            affinity_timeout=svc.affinity_timeout, internal_local=svc.internal_local,
+            external_local=svc.external_local and bool(port.node_port or lb_ips or external_ips),
+            health_check_node_port=svc.health_check_node_port,
+            topology_aware=svc.topology_aware)
+        out.append(info)
+    return out
+
+
+def service_ports_for(state: ClusterState, key: tuple[str, str], family: int,
+                      node_name: str, zone: str) -> list[tuple[ServicePortInfo, Categorized]]:
+    """The service ports of one Service with their categorised endpoints."""
+    svc = state.services.get(key)
+    if svc is None:
+        return []
+    address_type = IPV6 if family == 6 else IPV4
+    slices = state.slices_for(*key)
+    out = []
+    for info in service_port_infos(svc, family):
+        eps = _endpoints_for(slices, info.port, address_type, node_name)
+        out.append((info, categorize(info, eps, zone)))
+    return out
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small acyclic objects.
+
+    A render allocates hundreds of thousands of tuples; with a large state in
+    memory the collector's passes took about half of the render time.
+    Nothing built here forms cycles, so reference counting frees it all.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def service_ports(state: ClusterState, cfg: Config, family: int = 4) -> list[tuple[ServicePortInfo, Categorized]]:
+    """Every service port the proxier programs, sorted by (namespace, name, port name, protocol)."""
+    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
+    zone = node.zone if node is not None else ""
+    out: list[tuple[ServicePortInfo, Categorized]] = []
+    with gc_paused():
+        for key in sorted(state.services):
+            out.extend(service_ports_for(state, key, family, cfg.node_name, zone))
+    out.sort(key=lambda pair: (pair[0].service, pair[0].port_name, pair[0].protocol))
+    return out
+
+
+__all__ = ["Categorized", "EndpointInfo", "NodeInfo", "ServicePortInfo", "categorize",
+           "format_endpoint", "localhost_nodeports", "node_info", "service_port_infos",
+           "service_ports", "service_ports_for"]
