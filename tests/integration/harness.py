@@ -103,8 +103,12 @@ class Cluster:
             self.namespaces.append(self.ns(name))
             sh("ip", "link", "set", "lo", "up", ns=self.ns(name))
         node = self.node
+        # No ICMP redirects: the node forwards ext's packets for unassigned
+        # addresses back out the link they came from, and ext would act on a
+        # redirect instead of seeing the REJECT.
         for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.route_localnet", "1"),
-                           ("net.ipv4.conf.all.rp_filter", "0"), ("net.ipv4.conf.default.rp_filter", "0")):
+                           ("net.ipv4.conf.all.rp_filter", "0"), ("net.ipv4.conf.default.rp_filter", "0"),
+                           ("net.ipv4.conf.all.send_redirects", "0"), ("net.ipv4.conf.default.send_redirects", "0")):
             sh("sysctl", "-qw", f"{key}={value}", ns=node)
         ext = self.ns("ext")
         sh("ip", "link", "add", "to-ext", "netns", node, "type", "veth", "peer", "name", "eth0", "netns", ext)
