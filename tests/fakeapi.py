@@ -564,24 +564,26 @@ class FakeAPIServer:
                         w.queue.put_nowait(ev)
         self._watchers.append(w)
         deadline = None if timeout is None else time.monotonic() + timeout
-        next_bookmark = None if self.bookmark_interval is None else time.monotonic() + self.bookmark_interval
+        next_bookmark = (time.monotonic() + self.bookmark_interval
+                         if self.bookmark_interval and w.bookmarks else None)
         try:
             while True:
+                if request.transport is None or request.transport.is_closing():
+                    break   # the client went away
                 now = time.monotonic()
-                if w.stalled:
-                    item = await w.queue.get()
-                    if item is _DROP:
-                        break
-                    continue
-                wait = [t - now for t in (deadline, next_bookmark) if t is not None]
+                # Wake up now and then to notice a client that went away.
+                wait = [0.25] + ([] if w.stalled else [t - now for t in (deadline, next_bookmark) if t is not None])
                 try:
-                    item = await asyncio.wait_for(w.queue.get(), max(0.0, min(wait)) if wait else None)
+                    item = await asyncio.wait_for(w.queue.get(), max(0.0, min(wait)))
                 except asyncio.TimeoutError:
-                    if deadline is not None and time.monotonic() >= deadline:
+                    if w.stalled:
+                        continue
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
                         return resp   # normal end: final chunk, stream closed
-                    if w.bookmarks and next_bookmark is not None:
+                    if next_bookmark is not None and now >= next_bookmark:
                         await self._send(resp, self._bookmark_event(res))
-                        next_bookmark = time.monotonic() + (self.bookmark_interval or 0)
+                        next_bookmark = now + (self.bookmark_interval or 0)
                     continue
                 # Events queued together go out in one write, as a busy apiserver's do.
                 batch = [item]

@@ -134,7 +134,7 @@ class Transport:
         await self.api.close()
 
 
-async def _raise_for_status(resp: aiohttp.ClientResponse, res: Resource, verb: str) -> None:
+async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
     if resp.status < 300:
         return
     try:
@@ -254,7 +254,7 @@ async def list_objects(transport: Transport, res: Resource, opts: Options) -> tu
             params["fieldSelector"] = res.field_selector
         resp = await transport.get(res.path, params, timeout)
         try:
-            await _raise_for_status(resp, res, "list")
+            await _raise_for_status(resp)
         except Expired:
             if not cont:
                 raise
@@ -399,7 +399,7 @@ class Reflector:
                                         sock_read=self.opts.effective_read_timeout)
         started = time.monotonic()
         resp = await self.transport.get(self.res.path, params, timeout)
-        await _raise_for_status(resp, self.res, "watch")
+        await _raise_for_status(resp)
         events = 0
         try:
             while True:

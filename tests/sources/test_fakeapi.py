@@ -145,3 +145,12 @@ async def test_errors_auth_outage(api):
     await asyncio.to_thread(api.start)
     assert api.port == port and (await get(api, "/api/v1/services"))[0] == 200
     assert [r.verb for r in api.requests_for("endpointslices")] == ["list", "watch"]
+
+
+async def test_periodic_bookmarks_only_when_asked():
+    with FakeAPIServer(bookmark_interval=0.2) as server:
+        marked = await watch(server, "/api/v1/services", resourceVersion=0, timeoutSeconds=1,
+                             allowWatchBookmarks="true")
+        plain = await watch(server, "/api/v1/services", resourceVersion=0, timeoutSeconds=1)
+    assert 3 <= len(marked) <= 5 and {e["type"] for e in marked} == {"BOOKMARK"}
+    assert plain == []

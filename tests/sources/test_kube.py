@@ -251,6 +251,8 @@ async def test_dead_connection_is_noticed_by_the_read_timeout(api, kubeconfig):
         await call(api.stall_watches, "services")
         await call(api.add, service("testapp", "after-stall", "10.0.0.4"))
         await eventually(lambda: "after-stall" in names(store), timeout=3, what="resume after stall")
+        # The fake notices the abandoned connection: one services watch again.
+        await eventually(lambda: api.open_watches("services") == 1, what="stalled watch closed")
     assert sample("clusterdns_kube_errors_total", resource="services", reason="timeout") >= before + 1
     assert len(api.requests_for("services", "list")) == 1
 
