@@ -170,6 +170,22 @@ async def test_410_relists_and_emits_exactly_the_changes(kubeconfig, api, gone_a
     assert all(d.kinds <= {"Service"} for _, d in deltas)
 
 
+async def test_watch_ended_by_the_server_is_renewed_from_its_version(api, kubeconfig):
+    store = StateStore()
+    async with running(config(kubeconfig), store, watch_timeout=1) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: len(api.requests_for("services", "watch")) >= 3, what="renewed watches")
+        await call(api.add, service("testapp", "later", "10.0.0.8"))
+        await eventually(lambda: "later" in names(store), what="event on a renewed watch")
+        ref = src.reflectors["services"]
+        assert ref.resource_version == str(api.resource_version)
+    watches = api.requests_for("services", "watch")
+    assert all(w.params["resourceVersion"] for w in watches)
+    gaps = [b.time - a.time for a, b in zip(watches, watches[1:])]
+    assert min(gaps[:2]) >= 0.9   # each lasted its timeoutSeconds: no spinning
+    assert len(api.requests_for("services", "list")) == 1
+
+
 async def test_dropped_connections_resume_without_relist_or_loss(api, kubeconfig):
     store = StateStore()
     async with running(config(kubeconfig), store) as src:
