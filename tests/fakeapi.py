@@ -378,13 +378,21 @@ class FakeAPIServer:
         return None
 
     # -- controls ----------------------------------------------------------
-    def compact(self, resource: str | None = None) -> None:
-        """Forget the history: a watch from any version older than now gets 410 Gone."""
-        def run() -> None:
+    def compact(self, resource: str | None = None) -> int:
+        """Forget the history: a watch from any version a client holds now gets 410 Gone.
+
+        The version moves on by one (as etcd's does with writes elsewhere), so a
+        client's current version is expired too, and a re-list gets a version
+        that can be watched from. Open watches are not affected; drop them to
+        make their clients come back with the expired version.
+        """
+        def run() -> int:
+            self._rv += 1
             for name in ([self._resource(resource).name] if resource else RESOURCES):
                 self._history[name].clear()
                 self._floor[name] = self._rv
-        self._call(run)
+            return self._rv
+        return self._call(run)
 
     def bookmark(self, resource: str | None = None) -> int:
         """Send a BOOKMARK at the current version to watches that asked for them."""

@@ -186,6 +186,24 @@ async def test_watch_ended_by_the_server_is_renewed_from_its_version(api, kubeco
     assert len(api.requests_for("services", "list")) == 1
 
 
+async def test_compaction_then_a_dropped_watch_relists(api, kubeconfig):
+    store = StateStore()
+    async with running(config(kubeconfig), store) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches() == 3, what="watches")
+        await call(api.bookmark)     # the reflectors hold the newest version
+        await eventually(lambda: src.reflectors["services"].resource_version == str(api.resource_version),
+                         what="bookmark")
+        rv = await call(api.compact)
+        await call(api.drop_watches)
+        await eventually(lambda: len(api.requests_for("services", "list")) == 2, what="re-list")
+        await eventually(lambda: api.requests_for("services", "watch")[-1].params["resourceVersion"] == str(rv),
+                         what="watch from the re-list's version")
+        await call(api.add, service("testapp", "fresh", "10.0.0.7"))
+        await eventually(lambda: "fresh" in names(store), what="events after the re-list")
+    assert len(api.requests_for("services", "list")) == 2
+
+
 async def test_dropped_connections_resume_without_relist_or_loss(api, kubeconfig):
     store = StateStore()
     async with running(config(kubeconfig), store) as src:
