@@ -10,7 +10,9 @@ cluster-wide collections the agent reads:
     /apis/discovery.k8s.io/v1/endpointslices
 
 LIST honours limit/continue (a consistent snapshot per paginated list),
-fieldSelector and labelSelector (equality forms). WATCH (?watch=1) streams JSON
+resourceVersion (served from the current state; a future one is a 504, as
+kube-apiserver's "Too large resource version"), fieldSelector and
+labelSelector (equality forms). WATCH (?watch=1) streams JSON
 lines (ADDED, MODIFIED, DELETED, BOOKMARK when allowWatchBookmarks), replays
 history after the requested resourceVersion, answers a resourceVersion older
 than its history with an ERROR event of code 410 in a 200 stream (as the watch
@@ -511,6 +513,11 @@ class FakeAPIServer:
             limit = int(q.get("limit", "0") or 0)
         except ValueError:
             return web.json_response(_status(400, "BadRequest", "invalid limit"), status=400)
+        # Any resourceVersion is "not older than" the current state, unless it is from the future.
+        wanted = q.get("resourceVersion", "")
+        if wanted.isdigit() and int(wanted) > self._rv:
+            return web.json_response(_status(504, "Timeout", f"Too large resource version: {wanted}, "
+                                                             f"current: {self._rv}"), status=504)
         token = q.get("continue", "")
         if token:
             snap = self._snapshots.get(token)

@@ -56,6 +56,10 @@ async def test_list_pages_are_a_consistent_snapshot(api):
     _, page3 = await get(api, "/api/v1/services", limit=2, **{"continue": page2["metadata"]["continue"]})
     assert [o["metadata"]["name"] for o in page2["items"] + page3["items"]] == ["s2", "s3", "s4"]
     assert page3["metadata"]["resourceVersion"] == rv and "continue" not in page3["metadata"]
+    status, body = await get(api, "/api/v1/services", resourceVersion=0)
+    assert status == 200 and len(body["items"]) == 4
+    status, body = await get(api, "/api/v1/services", resourceVersion=api.resource_version + 5)
+    assert status == 504 and "Too large resource version" in body["message"]
     status, body = await get(api, "/api/v1/services", **{"continue": "bogus"})
     assert status == 410 and body["reason"] == "Expired"
 
