@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 from dnslib import QTYPE, RR, DNSLabel
 from dnslib.buffer import BufferError as DNSBufferError
-from dnslib.label import DNSBuffer
+from dnslib.label import DNSBuffer, DNSLabelError
 
 QR, AA, TC, RD, RA, AD, CD = 0x8000, 0x0400, 0x0200, 0x0100, 0x0080, 0x0020, 0x0010
 NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 2, 3, 4, 5
@@ -49,10 +49,36 @@ class Entry:
         self.flags, self.bodies, self.cacheable = flags, tuple(bodies), cacheable
 
 
+class _Buffer(DNSBuffer):
+    """dnslib's buffer, but never pointing past offset 0x3FFF (a 14-bit pointer cannot;
+    dnslib would write a corrupt one in messages over 16 KiB)."""
+
+    def encode_name(self, name) -> None:
+        if not isinstance(name, DNSLabel):
+            name = DNSLabel(name)
+        labels = list(name.label)
+        if len(b".".join(labels)) > 253:
+            raise DNSLabelError(f"name too long: {name!r}")
+        while labels:
+            key = tuple(labels)
+            pointer = self.names.get(key)
+            if pointer is not None:
+                self.pack("!H", 0xC000 | pointer)
+                return
+            if self.offset <= 0x3FFF:
+                self.names[key] = self.offset
+            element = labels.pop(0)
+            if len(element) > 63:
+                raise DNSLabelError(f"label too long: {element!r}")
+            self.pack("!B", len(element))
+            self.append(element)
+        self.append(b"\x00")
+
+
 def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[RR] = (),
               additional: Iterable[RR] = ()) -> Body:
     """Pack records as they follow a question for `qname` (labels as bytes)."""
-    buf = DNSBuffer()
+    buf = _Buffer()
     buf.append(b"\x00" * 12)
     buf.encode_name(DNSLabel(tuple(qname)))
     buf.pack("!HH", 0, 1)

@@ -1,33 +1,184 @@
-"""The answer engine on the demo cluster: zone answers checked with dnspython."""
+"""The answer engine, pure (no sockets): every answer parsed by dnspython, an independent parser.
+
+Cases are (qname, qtype) -> (rcode, answer / authority / additional as zone-file lines).
+Every query goes through resolve() twice and fast(): the helpers in conftest.py
+assert the three replies are byte-identical whenever fast() answers.
+"""
 from __future__ import annotations
 
+import asyncio
+import struct
+
+import dns.edns
 import dns.flags
+import dns.message
+import dns.opcode
 import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.reversename
+import dns.rrset
 import pytest
+from dnslib import QTYPE, RR, DNSRecord
+
+from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Pod, Service, ServicePort
 
 SERIAL = 1_700_000_001   # tests/dns/conftest.py builds states at this serial
 
-SOA = f"cluster.local. 5 in soa ns.dns.cluster.local. hostmaster.cluster.local. {SERIAL} 7200 1800 86400 5"
-SOA_V4 = f"in-addr.arpa. 5 in soa ns.dns.in-addr.arpa. hostmaster.in-addr.arpa. {SERIAL} 7200 1800 86400 5"
 
-# (qname, qtype, rcode, answer, authority, additional)
-CASES = [
-    ("testapp-svc.testapp.svc.cluster.local", "A", "NOERROR",
-     ["testapp-svc.testapp.svc.cluster.local. 5 in a 172.20.36.232"], [], []),
+def soa(zone: str = "cluster.local", ttl: int = 5, minimum: int = 5) -> str:
+    return (f"{zone}. {ttl} in soa ns.dns.{zone}. hostmaster.{zone}. {SERIAL} 7200 1800 86400 {minimum}")
+
+
+SOA = soa()
+SOA_V4 = soa("in-addr.arpa")
+SOA_V6 = soa("ip6.arpa")
+CL = "svc.cluster.local."
+
+
+V6_EP = dns.reversename.from_address("fd00:161::2").to_text(omit_final_dot=True)
+
+
+def a(owner: str, *ips: str, ttl: int = 5) -> list[str]:
+    return [f"{owner} {ttl} in {'aaaa' if ':' in ip else 'a'} {ip}" for ip in ips]
+
+
+# --- the demo cluster, default options ----------------------------------------------------
+
+DEMO = [
+    # ClusterIP services
+    ("testapp-svc.testapp.svc.cluster.local", "A", "NOERROR", a(f"testapp-svc.testapp.{CL}", "172.20.36.232"), [], []),
     ("testapp-svc.testapp.svc.cluster.local", "AAAA", "NOERROR", [], [SOA], []),
+    ("testapp-svc.testapp.svc.cluster.local", "TXT", "NOERROR", [], [SOA], []),
+    ("testapp-svc.testapp.svc.cluster.local", "MX", "NOERROR", [], [SOA], []),
+    ("testapp-svc.testapp.svc.cluster.local", "CNAME", "NOERROR", [], [SOA], []),
+    ("testapp-svc.testapp.svc.cluster.local", "SOA", "NOERROR", [], [SOA], []),
+    ("testapp-svc.testapp.svc.cluster.local", "NS", "NOERROR", [], [SOA], []),
+    ("testapp-svc.testapp.svc.cluster.local", "ANY", "NOERROR",
+     [f'testapp-svc.testapp.{CL} 5 in hinfo "rfc8482" ""'], [], []),
+    ("testapp-svc.testapp.svc.cluster.local", "SRV", "NOERROR",
+     [f"testapp-svc.testapp.{CL} 5 in srv 0 100 8080 testapp-svc.testapp.{CL}"], [],
+     a(f"testapp-svc.testapp.{CL}", "172.20.36.232")),
     ("nope.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
-    ("cluster.local", "SOA", "NOERROR", [SOA], [], []),
-    ("dns-version.cluster.local", "TXT", "NOERROR", ['dns-version.cluster.local. 28800 in txt "1.1.0"'], [], []),
-    ("232.36.20.172.in-addr.arpa", "PTR", "NOERROR",
-     ["232.36.20.172.in-addr.arpa. 5 in ptr testapp-svc.testapp.svc.cluster.local."], [], []),
-    ("9.9.9.9.in-addr.arpa", "PTR", "NXDOMAIN", [], [SOA_V4], []),
+    ("nope.testapp.svc.cluster.local", "ANY", "NXDOMAIN", [], [SOA], []),
+    # dual stack, named ports, SRV weights
+    ("multiport.testapp.svc.cluster.local", "A", "NOERROR", a(f"multiport.testapp.{CL}", "172.20.50.5"), [], []),
+    ("multiport.testapp.svc.cluster.local", "AAAA", "NOERROR", a(f"multiport.testapp.{CL}", "fd00:20::5"), [], []),
     ("multiport.testapp.svc.cluster.local", "SRV", "NOERROR",
-     ["multiport.testapp.svc.cluster.local. 5 in srv 0 16 443 multiport.testapp.svc.cluster.local.",
-      "multiport.testapp.svc.cluster.local. 5 in srv 0 16 53 multiport.testapp.svc.cluster.local.",
-      "multiport.testapp.svc.cluster.local. 5 in srv 0 16 80 multiport.testapp.svc.cluster.local."], [],
-     ["multiport.testapp.svc.cluster.local. 5 in a 172.20.50.5",
-      "multiport.testapp.svc.cluster.local. 5 in aaaa fd00:20::5"]),
+     [f"multiport.testapp.{CL} 5 in srv 0 16 {p} multiport.testapp.{CL}" for p in (80, 443, 53)], [],
+     a(f"multiport.testapp.{CL}", "172.20.50.5", "fd00:20::5")),
+    ("_http._tcp.multiport.testapp.svc.cluster.local", "SRV", "NOERROR",
+     [f"_http._tcp.multiport.testapp.{CL} 5 in srv 0 50 80 multiport.testapp.{CL}"], [],
+     a(f"multiport.testapp.{CL}", "172.20.50.5", "fd00:20::5")),
+    ("_HTTPS._TCP.multiport.testapp.svc.cluster.local", "SRV", "NOERROR",
+     [f"_https._tcp.multiport.testapp.{CL} 5 in srv 0 50 443 multiport.testapp.{CL}"], [],
+     a(f"multiport.testapp.{CL}", "172.20.50.5", "fd00:20::5")),
+    ("dns.udp.multiport.testapp.svc.cluster.local", "SRV", "NOERROR",
+     [f"dns.udp.multiport.testapp.{CL} 5 in srv 0 50 53 multiport.testapp.{CL}"], [],
+     a(f"multiport.testapp.{CL}", "172.20.50.5", "fd00:20::5")),
+    ("_http._udp.multiport.testapp.svc.cluster.local", "SRV", "NXDOMAIN", [], [SOA], []),
+    ("_nope._tcp.multiport.testapp.svc.cluster.local", "SRV", "NXDOMAIN", [], [SOA], []),
+    ("_http._tcp.multiport.testapp.svc.cluster.local", "A", "NOERROR",       # CoreDNS: the ClusterIP
+     a(f"_http._tcp.multiport.testapp.{CL}", "172.20.50.5"), [], []),
+    ("_http._tcp.multiport.testapp.svc.cluster.local", "TXT", "NOERROR", [], [SOA], []),
+    ("kube-dns.kube-system.svc.cluster.local", "SRV", "NOERROR",            # 53/UDP + 53/TCP collapse
+     [f"kube-dns.kube-system.{CL} 5 in srv 0 33 53 kube-dns.kube-system.{CL}",
+      f"kube-dns.kube-system.{CL} 5 in srv 0 33 9153 kube-dns.kube-system.{CL}"], [],
+     a(f"kube-dns.kube-system.{CL}", "172.20.0.10")),
+    ("_dns._udp.kube-dns.kube-system.svc.cluster.local", "SRV", "NOERROR",
+     [f"_dns._udp.kube-dns.kube-system.{CL} 5 in srv 0 100 53 kube-dns.kube-system.{CL}"], [],
+     a(f"kube-dns.kube-system.{CL}", "172.20.0.10")),
+    ("_dns._tcp.kube-dns.kube-system.svc.cluster.local", "SRV", "NXDOMAIN", [], [SOA], []),
+    # headless: ready endpoints only, names from hostname or the dashed address
+    ("testapp-headless.testapp.svc.cluster.local", "A", "NOERROR",
+     a(f"testapp-headless.testapp.{CL}", "10.161.35.2", "10.161.35.3", "10.161.35.4"), [], []),
+    ("testapp-headless.testapp.svc.cluster.local", "AAAA", "NOERROR", [], [SOA], []),
+    ("_http._tcp.testapp-headless.testapp.svc.cluster.local", "SRV", "NOERROR",
+     [f"_http._tcp.testapp-headless.testapp.{CL} 5 in srv 0 33 8080 {n}.testapp-headless.testapp.{CL}"
+      for n in ("web-0", "web-1", "10-161-35-4")], [],
+     a(f"web-0.testapp-headless.testapp.{CL}", "10.161.35.2") + a(f"web-1.testapp-headless.testapp.{CL}",
+                                                                   "10.161.35.3")
+     + a(f"10-161-35-4.testapp-headless.testapp.{CL}", "10.161.35.4")),
+    ("testapp-headless.testapp.svc.cluster.local", "SRV", "NOERROR",
+     [f"testapp-headless.testapp.{CL} 5 in srv 0 33 8080 {n}.testapp-headless.testapp.{CL}"
+      for n in ("web-0", "web-1", "10-161-35-4")], [],
+     a(f"web-0.testapp-headless.testapp.{CL}", "10.161.35.2") + a(f"web-1.testapp-headless.testapp.{CL}",
+                                                                   "10.161.35.3")
+     + a(f"10-161-35-4.testapp-headless.testapp.{CL}", "10.161.35.4")),
+    ("web-0.testapp-headless.testapp.svc.cluster.local", "A", "NOERROR",
+     a(f"web-0.testapp-headless.testapp.{CL}", "10.161.35.2"), [], []),
+    ("web-0.testapp-headless.testapp.svc.cluster.local", "AAAA", "NOERROR", [], [SOA], []),
+    ("10-161-35-4.testapp-headless.testapp.svc.cluster.local", "A", "NOERROR",
+     a(f"10-161-35-4.testapp-headless.testapp.{CL}", "10.161.35.4"), [], []),
+    ("web-2.testapp-headless.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("web-3.testapp-headless.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),   # not ready
+    # endpoint names of ClusterIP services (CoreDNS extension), not-ready ones absent
+    ("10-161-33-100.testapp-svc.testapp.svc.cluster.local", "A", "NOERROR",
+     a(f"10-161-33-100.testapp-svc.testapp.{CL}", "10.161.33.100"), [], []),
+    ("10-161-34-12.testapp2-svc.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("fd00-161--2.multiport.testapp.svc.cluster.local", "AAAA", "NOERROR",
+     a(f"fd00-161--2.multiport.testapp.{CL}", "fd00:161::2"), [], []),
+    ("fd00-161--2.multiport.testapp.svc.cluster.local", "A", "NOERROR", [], [SOA], []),
+    # ExternalName (no forwarder here: the out-of-zone target is not chased)
+    ("external-db.testapp.svc.cluster.local", "CNAME", "NOERROR",
+     [f"external-db.testapp.{CL} 5 in cname db.example.com."], [], []),
+    ("external-db.testapp.svc.cluster.local", "A", "NOERROR",
+     [f"external-db.testapp.{CL} 5 in cname db.example.com."], [], []),
+    ("external-db.testapp.svc.cluster.local", "TXT", "NOERROR", [], [SOA], []),
+    ("external-db.testapp.svc.cluster.local", "SRV", "NOERROR", [], [SOA], []),
+    ("_pg._tcp.external-db.testapp.svc.cluster.local", "SRV", "NXDOMAIN", [], [SOA], []),
+    ("x.external-db.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    # PTR: ClusterIPs, ready endpoints (one per service), IPv6
+    ("232.36.20.172.in-addr.arpa", "PTR", "NOERROR",
+     [f"232.36.20.172.in-addr.arpa. 5 in ptr testapp-svc.testapp.{CL}"], [], []),
+    ("2.35.161.10.in-addr.arpa", "PTR", "NOERROR",
+     [f"2.35.161.10.in-addr.arpa. 5 in ptr web-0.testapp-headless.testapp.{CL}"], [], []),
+    ("10.34.161.10.in-addr.arpa", "PTR", "NOERROR",
+     [f"10.34.161.10.in-addr.arpa. 5 in ptr 10-161-34-10.testapp-lb.testapp.{CL}",
+      f"10.34.161.10.in-addr.arpa. 5 in ptr 10-161-34-10.testapp2-svc.testapp.{CL}"], [], []),
+    ("12.34.161.10.in-addr.arpa", "PTR", "NXDOMAIN", [], [SOA_V4], []),
+    ("232.36.20.172.in-addr.arpa", "A", "NOERROR", [], [SOA_V4], []),
+    ("36.20.172.in-addr.arpa", "PTR", "NXDOMAIN", [], [SOA_V4], []),
+    ("5.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.2.0.0.0.0.d.f.ip6.arpa", "PTR", "NOERROR",
+     [f"5.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.2.0.0.0.0.d.f.ip6.arpa. 5 in ptr multiport.testapp.{CL}"],
+     [], []),
+    (V6_EP, "PTR", "NOERROR", [f"{V6_EP}. 5 in ptr fd00-161--2.multiport.testapp.{CL}"], [], []),
+    ("in-addr.arpa", "SOA", "NOERROR", [SOA_V4], [], []),
+    # pods (insecure by default)
+    ("10-161-37-5.testapp.pod.cluster.local", "A", "NOERROR",
+     a("10-161-37-5.testapp.pod.cluster.local.", "10.161.37.5"), [], []),
+    ("1-2-3-4.testapp.pod.cluster.local", "A", "NOERROR", a("1-2-3-4.testapp.pod.cluster.local.", "1.2.3.4"), [], []),
+    ("1-2-3-4.testapp.pod.cluster.local", "AAAA", "NOERROR", [], [SOA], []),
+    ("fd00--1.testapp.pod.cluster.local", "AAAA", "NOERROR",
+     a("fd00--1.testapp.pod.cluster.local.", "fd00::1"), [], []),
+    ("1-2-3-4.nope.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("web.testapp.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("testapp.pod.cluster.local", "A", "NOERROR", [], [SOA], []),
+    # empty non-terminals and the grammar
+    ("cluster.local", "A", "NOERROR", [], [SOA], []),
+    ("svc.cluster.local", "A", "NOERROR", [], [SOA], []),
+    ("pod.cluster.local", "A", "NOERROR", [], [SOA], []),
+    ("testapp.svc.cluster.local", "A", "NOERROR", [], [SOA], []),
+    ("testapp.svc.cluster.local", "ANY", "NOERROR", [], [SOA], []),
+    ("nope.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("foo.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("a.b._http._tcp.multiport.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ("*.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    # apex and schema version
+    ("cluster.local", "SOA", "NOERROR", [SOA], [], []),
+    ("cluster.local", "NS", "NOERROR", [], [SOA], []),      # no non-loopback server address known
+    ("dns-version.cluster.local", "TXT", "NOERROR", ['dns-version.cluster.local. 28800 in txt "1.1.0"'], [], []),
+    ("dns-version.cluster.local", "A", "NOERROR", [], [SOA], []),
 ]
+
+
+def check(m: dns.message.Message, h, rcode, answer, authority, additional):
+    assert dns.rcode.to_text(m.rcode()) == rcode
+    assert m.flags & dns.flags.AA, "zone answers are authoritative"
+    assert not m.flags & dns.flags.RA
+    assert h.lines(m.answer) == sorted(answer)
+    assert h.lines(m.authority) == sorted(authority)
+    assert h.lines(m.additional) == sorted(additional)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +187,529 @@ def engine(demo_state, h):
     return h.make_engine(demo_state)
 
 
-@pytest.mark.parametrize("qname,qtype,rcode,answer,authority,additional", CASES,
-                         ids=[f"{c[0]}/{c[1]}" for c in CASES])
-def test_demo_answers(engine, h, qname, qtype, rcode, answer, authority, additional):
-    m = h.ask(engine, qname, qtype)
-    assert dns.rcode.to_text(m.rcode()) == rcode
-    assert m.flags & dns.flags.AA and not m.flags & dns.flags.RA
-    assert h.lines(m.answer) == sorted(answer)
-    assert h.lines(m.authority) == sorted(authority)
-    assert h.lines(m.additional) == sorted(additional)
+@pytest.mark.parametrize("qname,qtype,rcode,answer,authority,additional", DEMO,
+                         ids=[f"{c[0]}/{c[1]}" for c in DEMO])
+def test_demo(engine, h, qname, qtype, rcode, answer, authority, additional):
+    check(h.ask(engine, qname, qtype), h, rcode, answer, authority, additional)
+
+
+def test_demo_over_tcp_and_with_edns(engine, h):
+    for kw in ({"tcp": True}, {"use_edns": 0}, {"use_edns": 0, "want_dnssec": True}):
+        m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", "A", **kw)
+        assert h.lines(m.answer) == a(f"testapp-svc.testapp.{CL}", "172.20.36.232")
+
+
+# --- options -------------------------------------------------------------------------------
+
+OPTIONS = [
+    ({"pods": "disabled"}, [
+        ("10-161-37-5.testapp.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("testapp.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("pod.cluster.local", "A", "NOERROR", [], [SOA], []),
+    ]),
+    ({"pods": "verified"}, [
+        ("10-161-37-5.testapp.pod.cluster.local", "A", "NOERROR",
+         a("10-161-37-5.testapp.pod.cluster.local.", "10.161.37.5"), [], []),
+        ("1-2-3-4.testapp.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("10-161-37-5.default.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ]),
+    ({"namespaces": ("testapp",)}, [
+        ("testapp-svc.testapp.svc.cluster.local", "A", "NOERROR",
+         a(f"testapp-svc.testapp.{CL}", "172.20.36.232"), [], []),
+        ("kube-dns.kube-system.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("kube-system.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("10.0.20.172.in-addr.arpa", "PTR", "NXDOMAIN", [], [SOA_V4], []),
+        ("1-2-3-4.kube-system.pod.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+    ]),
+    ({"namespace_labels": "kubernetes.io/metadata.name in (kube-system, default)"}, [
+        ("testapp-svc.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("kube-dns.kube-system.svc.cluster.local", "A", "NOERROR",
+         a(f"kube-dns.kube-system.{CL}", "172.20.0.10"), [], []),
+        ("232.36.20.172.in-addr.arpa", "PTR", "NXDOMAIN", [], [SOA_V4], []),
+    ]),
+    ({"endpoint_pod_names": True}, [
+        ("web-2.testapp-headless.testapp.svc.cluster.local", "A", "NOERROR",
+         a(f"web-2.testapp-headless.testapp.{CL}", "10.161.35.4"), [], []),
+        ("10-161-35-4.testapp-headless.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("web-0.testapp-headless.testapp.svc.cluster.local", "A", "NOERROR",
+         a(f"web-0.testapp-headless.testapp.{CL}", "10.161.35.2"), [], []),
+        ("4.35.161.10.in-addr.arpa", "PTR", "NOERROR",
+         [f"4.35.161.10.in-addr.arpa. 5 in ptr web-2.testapp-headless.testapp.{CL}"], [], []),
+    ]),
+    ({"noendpoints": True}, [
+        ("testapp-headless.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("web-0.testapp-headless.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("10-161-33-100.testapp-svc.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [SOA], []),
+        ("2.35.161.10.in-addr.arpa", "PTR", "NXDOMAIN", [], [SOA_V4], []),
+        ("testapp-svc.testapp.svc.cluster.local", "A", "NOERROR",
+         a(f"testapp-svc.testapp.{CL}", "172.20.36.232"), [], []),
+        ("_dns._udp.kube-dns.kube-system.svc.cluster.local", "SRV", "NOERROR",
+         [f"_dns._udp.kube-dns.kube-system.{CL} 5 in srv 0 100 53 kube-dns.kube-system.{CL}"], [],
+         a(f"kube-dns.kube-system.{CL}", "172.20.0.10")),
+    ]),
+    ({"ttl": 30}, [
+        ("testapp-svc.testapp.svc.cluster.local", "A", "NOERROR",
+         a(f"testapp-svc.testapp.{CL}", "172.20.36.232", ttl=30), [], []),
+        ("nope.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [soa(ttl=30, minimum=30)], []),
+        ("dns-version.cluster.local", "TXT", "NOERROR", ['dns-version.cluster.local. 28800 in txt "1.1.0"'], [], []),
+    ]),
+    ({"ttl": 600}, [
+        ("nope.testapp.svc.cluster.local", "A", "NXDOMAIN", [], [soa(ttl=300, minimum=600)], []),
+    ]),
+    ({"zones": ("corp.example", "cluster.local", "in-addr.arpa")}, [
+        ("testapp-svc.testapp.svc.corp.example", "A", "NOERROR",
+         a("testapp-svc.testapp.svc.corp.example.", "172.20.36.232"), [], []),
+        ("testapp-svc.testapp.svc.cluster.local", "A", "NOERROR",
+         a(f"testapp-svc.testapp.{CL}", "172.20.36.232"), [], []),
+        ("232.36.20.172.in-addr.arpa", "PTR", "NOERROR",      # PTR targets use the first zone
+         ["232.36.20.172.in-addr.arpa. 5 in ptr testapp-svc.testapp.svc.corp.example."], [], []),
+        ("nope.svc.corp.example", "A", "NXDOMAIN", [], [soa("corp.example")], []),
+    ]),
+]
+
+
+@pytest.mark.parametrize("options,cases", OPTIONS, ids=[",".join(o) + str(list(o.values())) for o, _ in OPTIONS])
+def test_options(demo_state, h, options, cases):
+    engine = h.make_engine(demo_state, **options)
+    for qname, qtype, rcode, answer, authority, additional in cases:
+        check(h.ask(engine, qname, qtype), h, rcode, answer, authority, additional)
+
+
+def small_state(h, *records, synced=True):
+    return h.make_state(list(records))
+
+
+def test_ignore_empty_service(h):
+    state = h.make_state([
+        ("Namespace", Namespace("ns")),
+        ("Service", Service("ns", "empty", cluster_ips=("10.0.0.1",), ports=(ServicePort("http", "TCP", 80),))),
+        ("EndpointSlice", EndpointSlice("ns", "empty-1", "empty", endpoints=(Endpoint(("10.1.0.1",), ready=False),))),
+        ("Service", Service("ns", "full", cluster_ips=("10.0.0.2",))),
+        ("EndpointSlice", EndpointSlice("ns", "full-1", "full", endpoints=(Endpoint(("10.1.0.2",)),))),
+    ])
+    plain = h.make_engine(state)
+    assert h.lines(h.ask(plain, "empty.ns.svc.cluster.local").answer) == a(f"empty.ns.{CL}", "10.0.0.1")
+    engine = h.make_engine(state, ignore_empty_service=True)
+    m = h.ask(engine, "empty.ns.svc.cluster.local")
+    assert m.rcode() == dns.rcode.NXDOMAIN
+    assert h.ask(engine, "_http._tcp.empty.ns.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
+    assert h.lines(h.ask(engine, "full.ns.svc.cluster.local").answer) == a(f"full.ns.{CL}", "10.0.0.2")
+
+
+def test_headless_merges_slices_dedups_and_families(h):
+    state = h.make_state([
+        ("Service", Service("ns", "hl", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "hl-a", "hl", endpoints=(
+            Endpoint(("10.1.0.1",)), Endpoint(("10.1.0.2",), hostname="two"), Endpoint(("10.1.0.9",), ready=False)),
+            ports=(EndpointPort("http", "TCP", 8080), EndpointPort("", "TCP", 9000)))),
+        ("EndpointSlice", EndpointSlice("ns", "hl-b", "hl", endpoints=(
+            Endpoint(("10.1.0.1",)), Endpoint(("10.1.0.3",))),       # 10.1.0.1 again: same address twice
+            ports=(EndpointPort("http", "TCP", 8080),))),
+        ("EndpointSlice", EndpointSlice("ns", "hl-6", "hl", address_type="IPv6", endpoints=(
+            Endpoint(("fd00::1",)),))),
+        ("Service", Service("ns", "none", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "none-a", "none", endpoints=(Endpoint(("10.2.0.1",), ready=False),))),
+        ("Service", Service("ns", "v6only", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "v6only-a", "v6only", address_type="IPv6",
+                                        endpoints=(Endpoint(("fd00::2",)),))),
+    ])
+    engine = h.make_engine(state)
+    assert h.lines(h.ask(engine, "hl.ns.svc.cluster.local").answer) == sorted(
+        a(f"hl.ns.{CL}", "10.1.0.1", "10.1.0.2", "10.1.0.3"))
+    assert h.lines(h.ask(engine, "hl.ns.svc.cluster.local", "AAAA").answer) == a(f"hl.ns.{CL}", "fd00::1")
+    m = h.ask(engine, "_http._tcp.hl.ns.svc.cluster.local", "SRV")
+    # 4 (endpoint, port) matches before de-duplication: weight 25; 10.1.0.1 collapses to one SRV
+    assert h.lines(m.answer) == sorted(
+        f"_http._tcp.hl.ns.{CL} 5 in srv 0 25 8080 {n}.hl.ns.{CL}" for n in ("10-1-0-1", "two", "10-1-0-3"))
+    assert h.lines(m.additional) == sorted(
+        a(f"10-1-0-1.hl.ns.{CL}", "10.1.0.1") + a(f"two.hl.ns.{CL}", "10.1.0.2") + a(f"10-1-0-3.hl.ns.{CL}",
+                                                                                      "10.1.0.3"))
+    assert h.ask(engine, "none.ns.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    assert h.ask(engine, "none.ns.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
+    m = h.ask(engine, "v6only.ns.svc.cluster.local")
+    assert m.rcode() == dns.rcode.NOERROR and not m.answer
+    # an endpoint hostname shared by several endpoints returns them all
+    state2 = h.make_state([
+        ("Service", Service("ns", "hl", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "hl-a", "hl", endpoints=(
+            Endpoint(("10.1.0.1",), hostname="db"), Endpoint(("10.1.0.2",), hostname="db")))),
+    ])
+    engine = h.make_engine(state2)
+    assert h.lines(h.ask(engine, "db.hl.ns.svc.cluster.local").answer) == sorted(
+        a(f"db.hl.ns.{CL}", "10.1.0.1", "10.1.0.2"))
+
+
+def test_ns_and_ns_dns(demo_state, h):
+    # the server is one of kube-dns's endpoints: NS names kube-dns, glue its ClusterIP
+    engine = h.make_engine(demo_state, server_addresses=lambda: ["127.0.0.1", "10.161.0.2"])
+    m = h.ask(engine, "cluster.local", "NS")
+    assert h.lines(m.answer) == [f"cluster.local. 5 in ns kube-dns.kube-system.{CL}"]
+    assert h.lines(m.additional) == a(f"kube-dns.kube-system.{CL}", "172.20.0.10")
+    # not an endpoint of any service: ns.dns.<zone> with the server's addresses as glue
+    engine = h.make_engine(demo_state, server_addresses=lambda: ["192.0.2.53", "127.0.0.1"])
+    m = h.ask(engine, "cluster.local", "NS")
+    assert h.lines(m.answer) == ["cluster.local. 5 in ns ns.dns.cluster.local."]
+    assert h.lines(m.additional) == a("ns.dns.cluster.local.", "192.0.2.53")
+    assert h.lines(h.ask(engine, "ns.dns.cluster.local").answer) == a("ns.dns.cluster.local.", "192.0.2.53")
+    m = h.ask(engine, "dns.cluster.local")
+    assert m.rcode() == dns.rcode.NOERROR and not m.answer
+    m = h.ask(engine, "in-addr.arpa", "NS")
+    assert h.lines(m.answer) == ["in-addr.arpa. 5 in ns ns.dns.cluster.local."]
+
+
+# --- not synced ----------------------------------------------------------------------------
+
+def test_servfail_until_synced(h, demo_records):
+    engine = h.make_engine(None)
+    assert not engine.synced
+    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
+    assert m.rcode() == dns.rcode.SERVFAIL and m.flags & dns.flags.AA
+    assert h.lines(m.authority) == [soa().replace(str(SERIAL), "0")]
+    # Services listed, EndpointSlices not yet: found names answer, missing ones SERVFAIL
+    from clusterdns.state import StateStore
+    store = StateStore(clock=lambda: SERIAL - 1)
+    with store.batch():
+        store.replace("Service", [r for k, r in demo_records if k == "Service"])
+        store.replace("Namespace", [r for k, r in demo_records if k == "Namespace"])
+        store.replace("EndpointSlice", [], synced=False)
+    engine.update(store.current)
+    assert not engine.synced
+    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
+    assert h.lines(m.answer) == a(f"testapp-svc.testapp.{CL}", "172.20.36.232")
+    assert h.ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.SERVFAIL
+    assert engine.fast(h.query_wire("nope.testapp.svc.cluster.local"), False) is None
+    store.mark_synced("EndpointSlice")
+    engine.update(store.current)
+    assert engine.synced
+    assert h.ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+
+
+def test_a_new_service_resolves_at_once(h, demo_records):
+    from clusterdns.state import StateStore
+    from clusterdns.sources.manifest import publish
+    store = StateStore()
+    publish(store, demo_records)
+    engine = h.make_engine(store.current)
+    assert h.ask(engine, "new.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN   # memoised
+    store.upsert("Service", Service("testapp", "new", cluster_ips=("172.20.99.9",)))
+    engine.update(store.current)
+    assert h.lines(h.ask(engine, "new.testapp.svc.cluster.local").answer) == a(f"new.testapp.{CL}", "172.20.99.9")
+
+
+# --- wire ----------------------------------------------------------------------------------
+
+def resolve(engine, wire: bytes, tcp: bool = False, client: str = "10.161.37.5"):
+    return asyncio.run(engine.resolve(wire, client, tcp))
+
+
+def test_question_echoed_exactly_and_case_kept(engine, h):
+    q = dns.message.make_query("TestApp-SVC.testapp.SVC.Cluster.Local", "A")
+    q.id = 4242
+    q.flags |= dns.flags.CD
+    wire = q.to_wire()
+    reply = h.ask_wire(engine, wire)
+    qlen = len(wire) - 12
+    assert reply[:2] == wire[:2]
+    assert reply[12:12 + qlen] == wire[12:]
+    m = dns.message.from_wire(reply)
+    assert m.id == 4242 and m.flags & dns.flags.RD and m.flags & dns.flags.CD and m.flags & dns.flags.QR
+    assert m.answer[0].name.to_text() == "TestApp-SVC.testapp.SVC.Cluster.Local."
+
+
+def test_edns_echo_payload_and_do(engine, h):
+    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, payload=4096, want_dnssec=True)
+    assert m.edns == 0 and m.payload == 1232 and m.ednsflags & dns.flags.DO
+    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, payload=512)
+    assert m.edns == 0 and m.payload == 1232 and not m.ednsflags & dns.flags.DO
+    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
+    assert m.edns == -1
+    # an EDNS option (cookie) takes the full path, same answer
+    opt = dns.edns.GenericOption(10, b"\x01" * 8)
+    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, options=[opt])
+    assert m.edns == 0 and not m.options and len(m.answer) == 1
+
+
+def test_badvers(engine, h):
+    wire = dns.message.make_query("testapp-svc.testapp.svc.cluster.local", "A", use_edns=1).to_wire()
+    assert engine.fast(wire, False) is None
+    m = dns.message.from_wire(resolve(engine, wire))
+    assert m.rcode() == dns.rcode.BADVERS and m.edns == 0 and not m.answer
+
+
+def big_headless(h, n=40):
+    return h.make_state([
+        ("Service", Service("ns", "big", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "big-1", "big", endpoints=tuple(
+            Endpoint((f"10.3.{i // 250}.{i % 250 + 1}",)) for i in range(n)))),
+    ])
+
+
+@pytest.mark.parametrize("kw,tcp,limit,full", [
+    ({}, False, 512, False),
+    ({"use_edns": 0, "payload": 512}, False, 512, False),
+    ({"use_edns": 0, "payload": 100}, False, 512, False),       # below 512 counts as 512
+    ({"use_edns": 0, "payload": 1232}, False, 1232, True),
+    ({"use_edns": 0, "payload": 4096}, False, 1232, True),
+    ({}, True, 65535, True),
+])
+def test_truncation_40_records(h, kw, tcp, limit, full):
+    engine = h.make_engine(big_headless(h))
+    wire = h.query_wire("big.ns.svc.cluster.local", "A", **kw)
+    reply = h.ask_wire(engine, wire, tcp=tcp)
+    assert len(reply) <= limit
+    m = dns.message.from_wire(reply)
+    n = sum(len(r) for r in m.answer)
+    if full:
+        assert n == 40 and not m.flags & dns.flags.TC
+    else:
+        assert 0 < n < 40 and m.flags & dns.flags.TC
+        assert n == 29 if "payload" not in kw else n >= 28   # CoreDNS: 29 of 40 fit in 512 bytes
+    assert (m.edns == 0) == ("use_edns" in kw)
+
+
+def test_udp_never_exceeds_1232(h):
+    engine = h.make_engine(big_headless(h, 200))
+    reply = h.ask_wire(engine, h.query_wire("big.ns.svc.cluster.local", "A", use_edns=0, payload=65000))
+    m = dns.message.from_wire(reply)
+    assert len(reply) <= 1232 and m.flags & dns.flags.TC and m.payload == 1232
+    reply = h.ask_wire(engine, h.query_wire("big.ns.svc.cluster.local", "A"), tcp=True)
+    assert sum(len(r) for r in dns.message.from_wire(reply).answer) == 200
+
+
+def test_loadbalance_rotates_addresses(h):
+    engine = h.make_engine(big_headless(h, 10))
+    firsts, sets = set(), set()
+    for qid in range(16):
+        q = dns.message.make_query("big.ns.svc.cluster.local", "A")
+        q.id = qid
+        m = dns.message.from_wire(h.ask_wire(engine, q.to_wire()))
+        rrs = [r.to_text() for r in m.answer[0]]
+        firsts.add(rrs[0])
+        sets.add(frozenset(rrs))
+    assert len(firsts) > 1 and len(sets) == 1
+
+
+def header(qid=7, flags=0x0100, qd=1, an=0, ns=0, ar=0) -> bytes:
+    return struct.pack(">HHHHHH", qid, flags, qd, an, ns, ar)
+
+
+QUESTION = b"\x0btestapp-svc\x07testapp\x03svc\x07cluster\x05local\x00\x00\x01\x00\x01"
+
+
+@pytest.mark.parametrize("wire,rcode,qd", [
+    (header(flags=0x0100 | (4 << 11)) + QUESTION, dns.rcode.NOTIMP, 1),        # NOTIFY
+    (header(flags=0x0100 | (5 << 11)) + QUESTION, dns.rcode.NOTIMP, 1),        # UPDATE
+    (header() + QUESTION[:-2] + b"\x00\x03", dns.rcode.REFUSED, 1),              # class CH
+    (header() + QUESTION[:-2] + b"\x00\xff", dns.rcode.REFUSED, 1),              # class ANY
+    (header(qd=0), dns.rcode.SERVFAIL, 0),                                       # empty question
+    (header(qd=2) + QUESTION + QUESTION, dns.rcode.FORMERR, 0),
+    (header() + b"\x05abc", dns.rcode.FORMERR, 0),                               # cut short
+    (header(an=1) + QUESTION, dns.rcode.FORMERR, 0),                             # promised record missing
+    (header() + b"\xc0\x0c\x00\x01\x00\x01", dns.rcode.FORMERR, 0),              # pointer in the question
+])
+def test_error_replies(engine, h, wire, rcode, qd):
+    reply = resolve(engine, wire)
+    assert engine.fast(wire, False) is None
+    qid, flags, qdcount, an, ns, ar = struct.unpack_from(">HHHHHH", reply)
+    assert (qid, flags & 0x7800, flags & 0xF, qdcount, an, ns, ar) == (7, wire[2] << 8 & 0x7800, rcode, qd, 0, 0, 0)
+    assert flags & dns.flags.QR and flags & dns.flags.RD and not flags & dns.flags.AA
+    if wire[2] >> 3 & 0xF != 5:     # dnspython reads UPDATE messages by other rules
+        m = dns.message.from_wire(reply)
+        assert m.rcode() == rcode and len(m.question) == qd
+
+
+@pytest.mark.parametrize("wire", [b"", b"\x00" * 11, header(flags=0x8100) + QUESTION])
+def test_dropped(engine, wire):
+    assert resolve(engine, wire) is None
+    assert engine.fast(wire, False) is None
+
+
+# --- upstream --------------------------------------------------------------------------------
+
+class FakeForwarder:
+    """A test double for the upstream: answers from a table, records every call."""
+
+    def __init__(self, table=None, down=False):
+        self.table = table or {}
+        self.down = down
+        self.calls: list[tuple[str, str, bool]] = []
+
+    async def query(self, request: DNSRecord, tcp: bool):
+        name, qtype = str(request.q.qname).lower(), QTYPE[request.q.qtype]
+        self.calls.append((name, qtype, tcp))
+        if self.down:
+            return None
+        reply = request.reply(ra=1, aa=0)
+        rcode, records, tc = self.table.get((name, qtype), (3, [], False))
+        reply.header.rcode = rcode
+        reply.header.tc = int(tc)
+        for text in records:
+            for rr in RR.fromZone(text):
+                reply.add_answer(rr)
+        return reply
+
+
+UPSTREAM = {
+    ("example.com.", "A"): (0, ["example.com. 300 IN A 93.184.215.14"], False),
+    ("db.example.com.", "A"): (0, ["db.example.com. 60 IN A 192.0.2.7", "db.example.com. 60 IN A 192.0.2.8"], True),
+    ("db.example.com.", "AAAA"): (0, [], False),
+}
+
+
+def test_out_of_zone_forwarded(demo_state, h):
+    fwd = FakeForwarder(UPSTREAM)
+    engine = h.make_engine(demo_state, forwarder=fwd)
+    q = dns.message.make_query("Example.COM", "A", use_edns=0)
+    q.id = 999
+    reply = resolve(engine, q.to_wire())
+    m = dns.message.from_wire(reply)
+    assert m.id == 999 and m.question[0].name.to_text() == "Example.COM."
+    assert m.flags & dns.flags.RA and not m.flags & dns.flags.AA and m.rcode() == dns.rcode.NOERROR
+    assert h.lines(m.answer) == ["example.com. 300 in a 93.184.215.14"]
+    assert m.edns == 0 and m.payload == 1232
+    assert fwd.calls == [("example.com.", "A", False)]
+    m = dns.message.from_wire(resolve(engine, h.query_wire("missing.example.org"), tcp=True))
+    assert m.rcode() == dns.rcode.NXDOMAIN and fwd.calls[-1] == ("missing.example.org.", "A", True)
+    assert engine.fast(h.query_wire("example.com"), False) is None    # never memoised
+
+
+def test_out_of_zone_refused_or_servfail(demo_state, h):
+    for engine in (h.make_engine(demo_state), h.make_engine(demo_state, forwarder=FakeForwarder(), no_upstream=True)):
+        m = dns.message.from_wire(resolve(engine, h.query_wire("example.com")))
+        assert m.rcode() == dns.rcode.REFUSED and len(m.question) == 1
+    engine = h.make_engine(demo_state, forwarder=FakeForwarder(down=True))
+    m = dns.message.from_wire(resolve(engine, h.query_wire("example.com")))
+    assert m.rcode() == dns.rcode.SERVFAIL
+
+
+def test_external_name_chased_upstream(demo_state, h):
+    fwd = FakeForwarder(UPSTREAM)
+    engine = h.make_engine(demo_state, forwarder=fwd)
+    m = dns.message.from_wire(resolve(engine, h.query_wire("external-db.testapp.svc.cluster.local")))
+    assert m.rcode() == dns.rcode.NOERROR and m.flags & dns.flags.AA
+    assert m.flags & dns.flags.TC, "the upstream's TC is passed on"
+    assert m.answer[0].rdtype == dns.rdatatype.CNAME, "the CNAME comes first"
+    assert h.lines(m.answer) == sorted([f"external-db.testapp.{CL} 5 in cname db.example.com.",
+                                        "db.example.com. 60 in a 192.0.2.7", "db.example.com. 60 in a 192.0.2.8"])
+    m = dns.message.from_wire(resolve(engine, h.query_wire("external-db.testapp.svc.cluster.local", "AAAA")))
+    assert h.lines(m.answer) == [f"external-db.testapp.{CL} 5 in cname db.example.com."]
+    engine = h.make_engine(demo_state, forwarder=FakeForwarder(down=True))
+    m = dns.message.from_wire(resolve(engine, h.query_wire("external-db.testapp.svc.cluster.local")))
+    assert m.rcode() == dns.rcode.SERVFAIL
+
+
+def test_external_name_in_zone_chase_and_loops(h):
+    state = h.make_state([
+        ("Service", Service("ns", "alias", type="ExternalName", external_name="real.ns.svc.cluster.local")),
+        ("Service", Service("ns", "real", cluster_ips=("10.0.0.5",))),
+        ("Service", Service("ns", "ghost", type="ExternalName", external_name="missing.ns.svc.cluster.local")),
+        ("Service", Service("ns", "loop1", type="ExternalName", external_name="loop2.ns.svc.cluster.local")),
+        ("Service", Service("ns", "loop2", type="ExternalName", external_name="loop1.ns.svc.cluster.local")),
+    ])
+    fwd = FakeForwarder()
+    engine = h.make_engine(state, forwarder=fwd)
+    m = h.ask(engine, "alias.ns.svc.cluster.local")
+    assert [r.to_text().lower() for r in m.answer] == [
+        f"alias.ns.{CL} 5 in cname real.ns.{CL}", f"real.ns.{CL} 5 in a 10.0.0.5"]
+    m = h.ask(engine, "ghost.ns.svc.cluster.local")
+    assert m.rcode() == dns.rcode.NOERROR and h.lines(m.answer) == [f"ghost.ns.{CL} 5 in cname missing.ns.{CL}"]
+    m = h.ask(engine, "loop1.ns.svc.cluster.local")
+    assert h.lines(m.answer) == sorted([f"loop1.ns.{CL} 5 in cname loop2.ns.{CL}",
+                                        f"loop2.ns.{CL} 5 in cname loop1.ns.{CL}"])
+    assert fwd.calls == []
+
+
+def test_fallthrough(demo_state, h):
+    fwd = FakeForwarder({("9.9.9.9.in-addr.arpa.", "PTR"): (0, ["9.9.9.9.in-addr.arpa. 60 IN PTR dns9.example."],
+                                                           False)})
+    engine = h.make_engine(demo_state, forwarder=fwd, fallthrough=("in-addr.arpa", "ip6.arpa"))
+    m = dns.message.from_wire(resolve(engine, h.query_wire("9.9.9.9.in-addr.arpa", "PTR")))
+    assert h.lines(m.answer) == ["9.9.9.9.in-addr.arpa. 60 in ptr dns9.example."] and not m.flags & dns.flags.AA
+    # a name found, or NODATA, never falls through; cluster.local is not listed
+    assert h.lines(h.ask(engine, "232.36.20.172.in-addr.arpa", "PTR").answer)
+    assert h.ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    assert [c[0] for c in fwd.calls] == ["9.9.9.9.in-addr.arpa."]
+    engine = h.make_engine(demo_state, forwarder=fwd, fallthrough=())
+    m = dns.message.from_wire(resolve(engine, h.query_wire("nope.testapp.svc.cluster.local")))
+    assert m.rcode() == dns.rcode.NXDOMAIN and not m.flags & dns.flags.AA     # the upstream's answer
+    assert fwd.calls[-1][0] == "nope.testapp.svc.cluster.local."
+
+
+# --- autopath ----------------------------------------------------------------------------------
+
+def test_autopath(demo_state, h):
+    fwd = FakeForwarder(UPSTREAM)
+    engine = h.make_engine(demo_state, forwarder=fwd, autopath=True, resolv_conf="/nonexistent")
+    client = "10.161.37.5"   # pod testapp/client
+    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local"),
+                                      client=client))
+    assert m.rcode() == dns.rcode.NOERROR and m.question[0].name.to_text() == \
+        "kube-dns.kube-system.testapp.svc.cluster.local."
+    assert [r.to_text().lower() for r in m.answer] == [
+        f"kube-dns.kube-system.testapp.{CL} 5 in cname kube-dns.kube-system.{CL}",
+        f"kube-dns.kube-system.{CL} 5 in a 172.20.0.10"]
+    # out of the cluster: base. through the upstream, TTL of the CNAME from the first record
+    m = dns.message.from_wire(resolve(engine, h.query_wire("example.com.testapp.svc.cluster.local"), client=client))
+    assert [r.to_text().lower() for r in m.answer] == [
+        f"example.com.testapp.{CL} 300 in cname example.com.", "example.com. 300 in a 93.184.215.14"]
+    # NODATA stops the walk, without a CNAME
+    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local",
+                                                          "AAAA"), client=client))
+    assert m.rcode() == dns.rcode.NOERROR and not m.answer and h.lines(m.authority) == [SOA]
+    # nothing found anywhere: the original NXDOMAIN
+    m = dns.message.from_wire(resolve(engine, h.query_wire("nothing.testapp.svc.cluster.local"), client=client))
+    assert m.rcode() == dns.rcode.NXDOMAIN
+    # an unknown client, or a name outside its first search domain: no autopath
+    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local"),
+                                      client="192.0.2.1"))
+    assert m.rcode() == dns.rcode.NXDOMAIN
+    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.default.svc.cluster.local"),
+                                      client=client))
+    assert m.rcode() == dns.rcode.NXDOMAIN
+    # such NXDOMAINs are per client: never taken by the fast path
+    assert engine.fast(h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local"), False) is None
+
+
+# --- zone transfer ---------------------------------------------------------------------------
+
+def test_transfer(demo_state, h):
+    wire = h.query_wire("cluster.local", "AXFR")
+    plain = h.make_engine(demo_state)
+    assert dns.message.from_wire(resolve(plain, wire, tcp=True)).rcode() == dns.rcode.REFUSED
+    engine = h.make_engine(demo_state, transfer=True)
+    assert dns.message.from_wire(resolve(engine, wire, tcp=False)).rcode() == dns.rcode.REFUSED
+    assert dns.message.from_wire(resolve(engine, h.query_wire("testapp.svc.cluster.local", "AXFR"),
+                                         tcp=True)).rcode() == dns.rcode.REFUSED
+    messages = resolve(engine, wire, tcp=True)
+    assert isinstance(messages, list) and messages
+    records = []
+    for raw in messages:
+        m = dns.message.from_wire(raw, xfr=True)
+        assert m.rcode() == dns.rcode.NOERROR and m.flags & dns.flags.AA and len(raw) <= 65535
+        records += [line for rrset in m.answer for line in rrset.to_text().lower().splitlines()]
+    assert records[0] == SOA and records[-1] == SOA
+    assert f"testapp-svc.testapp.{CL} 5 in a 172.20.36.232" in records
+    assert f"external-db.testapp.{CL} 5 in cname db.example.com." in records
+    assert f"_http._tcp.multiport.testapp.{CL} 5 in srv 0 50 80 multiport.testapp.{CL}" in records
+    assert f"web-0.testapp-headless.testapp.{CL} 5 in a 10.161.35.2" in records
+    # IXFR with the current serial: only the SOA; with an older one: the whole zone; without: SERVFAIL
+    for serial, expect in ((SERIAL, 1), (SERIAL - 10, len(records))):
+        q = dns.message.make_query("cluster.local", "IXFR")
+        q.authority.append(dns.rrset.from_text("cluster.local.", 0, "IN", "SOA",
+                                               f"ns.dns.cluster.local. hostmaster.cluster.local. {serial} 1 1 1 1"))
+        out = resolve(engine, q.to_wire(), tcp=True)
+        got = [line for raw in out for rrset in dns.message.from_wire(raw, xfr=True).answer
+               for line in rrset.to_text().splitlines()]
+        assert len(got) == expect
+    m = dns.message.from_wire(resolve(engine, h.query_wire("cluster.local", "IXFR"), tcp=True))
+    assert m.rcode() == dns.rcode.SERVFAIL
+
+
+def test_transfer_splits_large_zones(h):
+    from clusterdns.synthetic import synthetic_records
+    engine = h.make_engine(h.make_state(synthetic_records(3000, 1)), transfer=True)
+    messages = resolve(engine, h.query_wire("cluster.local", "AXFR"), tcp=True)
+    assert len(messages) > 1 and all(len(raw) <= 65535 for raw in messages)
+    n = sum(len(rrset) for raw in messages for rrset in dns.message.from_wire(raw, xfr=True).answer)
+    assert n == 2 + 3000 * 2    # SOA twice, one A and one SRV per service (no NS: no server address)
