@@ -236,8 +236,9 @@ class EventBatcher:
                 event_lag.labels(resource).observe(now - t)
 
     def replace(self, kind: str, records: list) -> None:
-        self.flush()   # earlier events of the old watch come first
-        self.store.replace(kind, records)
+        with self.store.batch():   # one version; events read before the list apply first
+            self.flush()
+            self.store.replace(kind, records)
 
 
 async def list_objects(transport: Transport, res: Resource, opts: Options) -> tuple[list[dict], str]:
