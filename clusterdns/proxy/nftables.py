@@ -1,0 +1,411 @@
+"""nftables mode: the `nft -f` transaction kube-proxy's nftables proxier would run.
+
+One private table (`ip kube-proxy` or `ip6 kube-proxy`), base chains at
+numeric priorities (nft 1.0.6 rejects named ones on some hooks), verdict
+maps from (address, protocol, port) to per-service chains, `numgen random`
+endpoint choice. `render` is pure: with `previous` (the NftState the last
+applied text left in the kernel) it returns only the changes, as one
+transaction, so a sync never needs to list the kernel table.
+
+Deliberate differences from kube-proxy (docs/proxy.md): a full render
+recreates the whole table in its transaction (kube-proxy lists the kernel to
+find stale chains instead), and chains that are no longer used are deleted in
+the same transaction that removes every reference to them (kube-proxy waits
+a grace period and deletes them in a later one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from ..config import Config
+from ..state import ClusterState
+from . import names as n
+from .servicemap import Categorized, NodeInfo, ServicePortInfo, gc_paused, node_info, service_ports
+
+# (chain, type, hook, priority): kube-proxy's base chains
+BASE_CHAINS = (
+    ("filter-prerouting-pre-dnat", "filter", "prerouting", -110),
+    ("filter-output-pre-dnat", "filter", "output", -110),
+    ("filter-input", "filter", "input", 0),
+    ("filter-forward", "filter", "forward", 0),
+    ("filter-output", "filter", "output", 0),
+    ("nat-prerouting", "nat", "prerouting", -100),
+    ("nat-output", "nat", "output", -100),
+    ("nat-postrouting", "nat", "postrouting", 100),
+)
+# (from chain, match, to chain)
+JUMPS = (
+    ("filter-input", "ct state new", "nodeport-endpoints-check"),
+    ("filter-input", "ct state new", "service-endpoints-check"),
+    ("filter-forward", "ct state new", "service-endpoints-check"),
+    ("filter-output", "ct state new", "service-endpoints-check"),
+    ("filter-prerouting-pre-dnat", "ct state new", "firewall-check"),
+    ("filter-output-pre-dnat", "ct state new", "firewall-check"),
+    ("nat-output", "", "services"),
+    ("nat-prerouting", "", "services"),
+    ("nat-postrouting", "", "masquerading"),
+    ("filter-forward", "ct state new", "cluster-ips-check"),
+    ("filter-output", "ct state new", "cluster-ips-check"),
+)
+
+SERVICES = "services"
+MARK_MASQ = "mark-for-masquerade"
+MASQUERADING = "masquerading"
+REJECT_CHAIN = "reject-chain"
+CLUSTER_IPS = "cluster-ips"
+NODEPORT_IPS = "nodeport-ips"
+SERVICE_IPS = "service-ips"
+SERVICE_NODEPORTS = "service-nodeports"
+FIREWALL_IPS = "firewall-ips"
+NO_ENDPOINT_SERVICES = "no-endpoint-services"
+NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
+
+
+@dataclass(frozen=True)
+class NftState:
+    """What the table holds after a text is applied: enough to compute the next transaction."""
+    family: int = 4
+    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # chain -> rules, in order
+    chain_decls: Mapping[str, str] = field(default_factory=dict)          # chain -> "{ ... }" or ""
+    sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)     # name -> ("set"|"map", "{ ... }")
+    elements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # name -> key -> element text
+
+    def summary(self) -> dict[str, int]:
+        return {"chains": len(self.chains), "rules": sum(len(r) for r in self.chains.values()),
+                "sets": len(self.sets), "elements": sum(len(e) for e in self.elements.values())}
+
+
+@dataclass(frozen=True)
+class NftRuleSet:
+    text: str
+    state: NftState
+    full: bool = True
+    changes: int = 0      # statements in the text (a measure of the transaction's size)
+
+
+def _fam(family: int) -> tuple[str, str, str]:
+    """(table family, address match keyword, address type)."""
+    return ("ip6", "ip6", "ipv6_addr") if family == 6 else ("ip", "ip", "ipv4_addr")
+
+
+class _Builder:
+    def __init__(self, family: int) -> None:
+        self.family = family
+        self.chains: dict[str, list[str]] = {}
+        self.chain_decls: dict[str, str] = {}
+        self.sets: dict[str, tuple[str, str]] = {}
+        self.elements: dict[str, dict[str, str]] = {}
+
+    def chain(self, name: str, decl: str = "") -> list[str]:
+        if name not in self.chains:
+            self.chains[name] = []
+            self.chain_decls[name] = decl
+        return self.chains[name]
+
+    def set(self, name: str, kind: str, decl: str) -> None:
+        self.sets[name] = (kind, decl)
+        self.elements.setdefault(name, {})
+
+    def element(self, name: str, key: str, value: str = "", comment: str = "") -> None:
+        text = key
+        if comment:
+            text += f' comment "{comment}"'
+        if value:
+            text += f" : {value}"
+        self.elements[name][key] = text
+
+    def state(self) -> NftState:
+        return NftState(
+            family=self.family,
+            chains=MappingProxyType({k: tuple(v) for k, v in self.chains.items()}),
+            chain_decls=MappingProxyType(dict(self.chain_decls)),
+            sets=MappingProxyType(dict(self.sets)),
+            elements=MappingProxyType({k: MappingProxyType(v) for k, v in self.elements.items()}))
+
+
+def render(state: ClusterState, cfg: Config, family: int = 4, *,
+           previous: NftState | None = None) -> NftRuleSet:
+    """The nft -f transaction for `state`: full when previous is None, else only the changes."""
+    with gc_paused():
+        new = build(state, cfg, family)
+        if previous is None or previous.family != family:
+            return NftRuleSet(text=full_text(new), state=new, full=True,
+                              changes=sum(new.summary().values()))
+        text, changes = diff_text(previous, new)
+        return NftRuleSet(text=text, state=new, full=False, changes=changes)
+
+
+def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, tuple[str, ...]]:
+    """(all local addresses?, else these): kube-proxy's nftables default is the primary node IP."""
+    if cfg.nodeport_addresses:
+        if not node.nodeport_all:
+            # loopback never accepts NodePorts in nftables mode
+            return False, tuple(ip for ip in node.nodeport_ips if ip not in ("127.0.0.1", "::1"))
+        return True, ()
+    if node.primary_ip:
+        return False, (node.primary_ip,)
+    return True, ()
+
+
+def build(state: ClusterState, cfg: Config, family: int = 4) -> NftState:
+    """The complete table contents for `state`."""
+    _, ipx, addr_type = _fam(family)
+    node = node_info(state, cfg, family)
+    mark = hex(1 << cfg.masquerade_bit)
+    np_all, np_ips = nodeport_addresses(cfg, node, family)
+    no_localhost = f"{ipx} daddr != 127.0.0.0/8" if family == 4 else f"{ipx} daddr != ::1"
+    b = _Builder(family)
+
+    for name, ctype, hook, prio in BASE_CHAINS:
+        b.chain(name, f"{{ type {ctype} hook {hook} priority {prio} ; }}")
+    for src, match, dst in JUMPS:
+        b.chain(dst)
+        b.chain(src).append(f"{match} jump {dst}" if match else f"jump {dst}")
+    for name in (SERVICES, "cluster-ips-check", MASQUERADING, MARK_MASQ):
+        b.chain(name)
+    b.chain(MARK_MASQ).append(f"mark set mark or {mark}")
+    b.chain(MASQUERADING).extend([f"mark and {mark} == 0 return", f"mark set mark xor {mark}",
+                                  "masquerade fully-random"])
+
+    b.set(CLUSTER_IPS, "set", f'{{ type {addr_type} ; comment "Active ClusterIPs" ; }}')
+    check = b.chain("cluster-ips-check")
+    check.append(f'{ipx} daddr @{CLUSTER_IPS} reject comment "Reject traffic to invalid ports of ClusterIPs"')
+    cidrs = [c for c in cfg.service_cidrs if (":" in c) == (family == 6)]
+    if cidrs:
+        check.append(f'{ipx} daddr {{ {", ".join(cidrs)} }} drop comment "Drop traffic to unallocated ClusterIPs"')
+
+    if not np_all:
+        b.set(NODEPORT_IPS, "set", f'{{ type {addr_type} ; comment "IPs that accept NodePort traffic" ; }}')
+        for ip in np_ips:
+            b.element(NODEPORT_IPS, ip)
+        np_match = f"{ipx} daddr @{NODEPORT_IPS}"
+    else:
+        np_match = f"fib daddr type local {no_localhost}"
+
+    b.set(NO_ENDPOINT_SERVICES, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
+                                       f'comment "vmap to drop or reject packets to services with no endpoints" ; }}')
+    b.set(NO_ENDPOINT_NODEPORTS, "map", "{ type inet_proto . inet_service : verdict ; "
+                                        'comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }')
+    b.chain(REJECT_CHAIN, '{ comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }').append("reject")
+    b.chain("service-endpoints-check").append(
+        f"{ipx} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES}")
+    b.chain("nodeport-endpoints-check").append(
+        f"{np_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS}")
+
+    b.set(FIREWALL_IPS, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
+                               f'comment "destinations that are subject to LoadBalancerSourceRanges" ; }}')
+    b.chain("firewall-check").append(f"{ipx} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}")
+
+    b.set(SERVICE_IPS, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
+                              f'comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }}')
+    b.set(SERVICE_NODEPORTS, "map", '{ type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }')
+    b.chain(SERVICES).append(f"{ipx} daddr . meta l4proto . th dport vmap @{SERVICE_IPS}")
+    b.chain(SERVICES).append(f"{np_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")
+
+    for info, cat in service_ports(state, cfg, family):
+        _service(b, info, cat, node, cfg, ipx, addr_type)
+    return b.state()
+
+
+def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config,
+             ipx: str, addr_type: str) -> None:
+    proto = info.protocol
+    name = info.name
+    port = info.port_number
+    cip = info.cluster_ip
+    base = info.nft_base
+    cluster_chain = n.nft_service_chain(base)
+    local_chain = n.nft_local_chain(base)
+    ext_chain = n.nft_external_chain(base)
+    fw_chain = n.nft_firewall_chain(base)
+    has_endpoints = cat.has_endpoints
+
+    uses_cluster_chain = bool(cat.cluster) and info.uses_cluster_endpoints
+    uses_local_chain = bool(cat.local) and info.uses_local_endpoints
+    internal_chain, has_internal = cluster_chain, has_endpoints
+    if info.internal_local:
+        internal_chain, has_internal = local_chain, has_endpoints and bool(cat.local)
+    external_policy_chain, has_external = cluster_chain, has_endpoints
+    if info.external_local:
+        external_policy_chain, has_external = local_chain, has_endpoints and bool(cat.local)
+    uses_ext_chain = has_endpoints and info.externally_accessible
+    uses_fw_chain = has_endpoints and bool(info.lb_ips) and bool(info.lb_source_ranges)
+
+    int_verdict = ext_verdict = ""
+    if not has_endpoints:
+        int_verdict = ext_verdict = f"goto {REJECT_CHAIN}"
+    else:
+        if not has_internal:
+            int_verdict = "drop"
+        if not has_external:
+            ext_verdict = "drop"
+
+    b.element(CLUSTER_IPS, cip)
+    key = f"{cip} . {proto} . {port}"
+    if has_internal:
+        b.element(SERVICE_IPS, key, f"goto {internal_chain}")
+    else:
+        b.element(NO_ENDPOINT_SERVICES, key, int_verdict, name)
+    for eip in info.external_ips:
+        ekey = f"{eip} . {proto} . {port}"
+        if has_endpoints:
+            b.element(SERVICE_IPS, ekey, f"goto {ext_chain}")
+        if not has_external:
+            b.element(NO_ENDPOINT_SERVICES, ekey, ext_verdict, name)
+    for lbip in info.lb_ips:
+        lkey = f"{lbip} . {proto} . {port}"
+        if has_endpoints:
+            b.element(SERVICE_IPS, lkey, f"goto {ext_chain}")
+        if uses_fw_chain:
+            b.element(FIREWALL_IPS, lkey, f"goto {fw_chain}", name)
+        if not has_external:
+            b.element(NO_ENDPOINT_SERVICES, lkey, ext_verdict, name)
+    if info.node_port:
+        nkey = f"{proto} . {info.node_port}"
+        if has_endpoints:
+            b.element(SERVICE_NODEPORTS, nkey, f"goto {ext_chain}")
+        if not has_external:
+            b.element(NO_ENDPOINT_NODEPORTS, nkey, ext_verdict, name)
+
+    if has_internal:
+        rules = b.chain(internal_chain)
+        if cfg.masquerade_all:
+            rules.append(f"{ipx} daddr {cip} {proto} dport {port} jump {MARK_MASQ}")
+        elif node.local_cidr:
+            rules.append(f"{ipx} daddr {cip} {proto} dport {port} {ipx} saddr != {node.local_cidr} jump {MARK_MASQ}")
+
+    if uses_ext_chain:
+        rules = b.chain(ext_chain)
+        if not info.external_local:
+            rules += [f"jump {MARK_MASQ}"]
+        else:
+            if node.local_cidr:
+                rules.append(f'{ipx} saddr {node.local_cidr} goto {cluster_chain} comment "short-circuit pod traffic"')
+            rules.append(f'fib saddr type local jump {MARK_MASQ} comment "masquerade local traffic"')
+            rules.append(f'fib saddr type local goto {cluster_chain} comment "short-circuit local traffic"')
+        if has_external:
+            rules.append(f"goto {external_policy_chain}")
+
+    if uses_fw_chain:
+        sources = list(info.lb_source_ranges)
+        if node.primary_ip and any(_contains(c, node.primary_ip) for c in info.lb_source_ranges):
+            sources += list(info.lb_ips)
+        b.chain(fw_chain).append(f"{ipx} saddr != {{ {', '.join(sources)} }} drop")
+
+    ep_chains = {ep.endpoint: n.nft_endpoint_base(info.namespace, info.service_name, proto, info.port_name,
+                                                  ep.ip, ep.port) for ep in cat.reachable}
+    if uses_cluster_chain:
+        _dispatch(b.chain(cluster_chain), cat.cluster, ep_chains, info, ipx)
+    if uses_local_chain:
+        _dispatch(b.chain(local_chain), cat.local, ep_chains, info, ipx)
+    for ep in cat.reachable:
+        ep_base = ep_chains[ep.endpoint]
+        rules = b.chain(n.nft_endpoint_chain(ep_base))
+        rules.append(f"{ipx} saddr {ep.ip} jump {MARK_MASQ}")
+        if info.affinity_timeout:
+            aff = n.nft_affinity_set(ep_base)
+            b.set(aff, "set", f"{{ type {addr_type} ; flags dynamic,timeout ; timeout {info.affinity_timeout}s ; }}")
+            rules.append(f"update @{aff} {{ {ipx} saddr }}")
+        rules.append(f"meta l4proto {proto} dnat to {ep.endpoint}")
+
+
+def _dispatch(rules: list[str], endpoints, ep_chains: dict[str, str], info: ServicePortInfo, ipx: str) -> None:
+    if info.affinity_timeout:
+        for ep in endpoints:
+            base = ep_chains[ep.endpoint]
+            rules.append(f"{ipx} saddr @{n.nft_affinity_set(base)} goto {n.nft_endpoint_chain(base)}")
+    vmap = " , ".join(f"{i} : goto {n.nft_endpoint_chain(ep_chains[ep.endpoint])}"
+                      for i, ep in enumerate(endpoints))
+    rules.append(f"numgen random mod {len(endpoints)} vmap {{ {vmap} }}")
+
+
+def _contains(cidr: str, ip: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(ip) in ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return False
+
+
+def full_text(new: NftState) -> str:
+    """A transaction that replaces the whole table with `new` (atomic: one nft -f)."""
+    fam, _, _ = _fam(new.family)
+    t = f"{fam} {n.NFT_TABLE}"
+    out = [f'add table {t} {{ comment "rules for kube-proxy" ; }}',
+           f"delete table {t}",
+           f'add table {t} {{ comment "rules for kube-proxy" ; }}']
+    for name, decl in new.chain_decls.items():
+        out.append(f"add chain {t} {name} {decl}".rstrip())
+    for name, (kind, decl) in new.sets.items():
+        out.append(f"add {kind} {t} {name} {decl}")
+    for name, rules in new.chains.items():
+        for rule in rules:
+            out.append(f"add rule {t} {name} {rule}")
+    for name, elems in new.elements.items():
+        for text in elems.values():
+            out.append(f"add element {t} {name} {{ {text} }}")
+    return "\n".join(out) + "\n"
+
+
+def diff_text(old: NftState, new: NftState) -> tuple[str, int]:
+    """The transaction turning `old` into `new`: only changed elements and chains."""
+    fam, _, _ = _fam(new.family)
+    t = f"{fam} {n.NFT_TABLE}"
+    out: list[str] = []
+    # sets whose declaration changed are recreated; chains using them are refilled
+    recreated = {s for s in new.sets if s in old.sets and old.sets[s] != new.sets[s]}
+    removed_sets = [s for s in old.sets if s not in new.sets]
+    added_sets = [s for s in new.sets if s not in old.sets]
+    removed_chains = [c for c in old.chains if c not in new.chains]
+    added_chains = [c for c in new.chains if c not in old.chains]
+    redeclared = [c for c in new.chains if c in old.chains and old.chain_decls.get(c) != new.chain_decls.get(c)]
+    changed = [c for c in new.chains if c in old.chains and (
+        old.chains[c] != new.chains[c] or c in redeclared
+        or (recreated and any(f"@{s} " in r or r.endswith(f"@{s}") for r in new.chains[c] for s in recreated)))]
+
+    for c in added_chains:
+        out.append(f"add chain {t} {c} {new.chain_decls.get(c, '')}".rstrip())
+    for s in added_sets:
+        kind, decl = new.sets[s]
+        out.append(f"add {kind} {t} {s} {decl}")
+    # elements that go away or change value
+    for s, elems in old.elements.items():
+        if s in removed_sets or s in recreated:
+            continue
+        now = new.elements.get(s, {})
+        for key, text in elems.items():
+            if now.get(key) != text:
+                out.append(f"delete element {t} {s} {{ {key} }}")
+    for c in changed + removed_chains:
+        out.append(f"flush chain {t} {c}")
+    for c in removed_chains:
+        out.append(f"delete chain {t} {c}")
+    for c in redeclared:
+        # a base chain's hook or priority changed: recreate it (flushed above)
+        out.append(f"delete chain {t} {c}")
+        out.append(f"add chain {t} {c} {new.chain_decls[c]}".rstrip())
+    for s in removed_sets + sorted(recreated):
+        out.append(f"delete {old.sets[s][0]} {t} {s}")
+    for s in sorted(recreated):
+        kind, decl = new.sets[s]
+        out.append(f"add {kind} {t} {s} {decl}")
+    for c in added_chains + changed:
+        for rule in new.chains[c]:
+            out.append(f"add rule {t} {c} {rule}")
+    for s, elems in new.elements.items():
+        before = {} if (s in recreated or s in added_sets) else old.elements.get(s, {})
+        for key, text in elems.items():
+            if before.get(key) != text:
+                out.append(f"add element {t} {s} {{ {text} }}")
+    return ("\n".join(out) + "\n" if out else ""), len(out)
+
+
+def cleanup_text(family: int = 4) -> str:
+    """An nft -f script removing clusterdns's table (and nothing else); safe when it is absent."""
+    fam, _, _ = _fam(family)
+    return f"add table {fam} {n.NFT_TABLE}\ndelete table {fam} {n.NFT_TABLE}\n"
+
+
+__all__ = ["NftRuleSet", "NftState", "build", "cleanup_text", "diff_text", "full_text", "render"]
