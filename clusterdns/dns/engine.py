@@ -112,9 +112,9 @@ class Engine:
                 return None
             opt, limit = b"", (MAX_TCP if tcp else 512)
         elif counts == b"\x00\x01\x00\x00\x00\x00\x00\x01":
-            # exactly one OPT: root owner, version 0, no options
-            if n != qend + 11 or data[qend:qend + 3] != b"\x00\x00\x29" or data[qend + 5:qend + 7] != b"\x00\x00" \
-                    or data[qend + 9:qend + 11] != b"\x00\x00":
+            # exactly one OPT: root owner, version 0 (extended rcode 0), no options
+            if n != qend + 11 or data[qend + 2] != 41 or data[qend] or data[qend + 1] or data[qend + 5] \
+                    or data[qend + 6] or data[qend + 9] or data[qend + 10]:
                 return None
             opt = self._opt_do if data[qend + 7] & 0x80 else self._opt
             if tcp:
@@ -124,7 +124,7 @@ class Engine:
                 limit = 512 if size < 512 else (size if size < self.udp_size else self.udp_size)
         else:
             return None
-        if data[end + 3:qend] != b"\x00\x01":
+        if data[end + 3] or data[end + 4] != 1:     # class IN only
             return None
         entry = self._view.memo.get(data[12:end + 1].lower() + data[end + 1:end + 3])
         if entry is None:

@@ -149,7 +149,10 @@ class ZoneView:
         try:
             self.by_service = self._group_slices(prev)
             self.services = self._compile_services(prev)
-            self.svc_namespaces = {k[0] for k in self.services}
+            if prev is not None and prev.state.services.keys() == self.state.services.keys():
+                self.svc_namespaces = prev.svc_namespaces
+            else:
+                self.svc_namespaces = {k[0] for k in self.services}
             self._exposed: dict[str, bool] = {}
             self.cips, self.eps = self._index_addresses(prev)
         finally:

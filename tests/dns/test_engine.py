@@ -713,3 +713,95 @@ def test_transfer_splits_large_zones(h):
     assert len(messages) > 1 and all(len(raw) <= 65535 for raw in messages)
     n = sum(len(rrset) for raw in messages for rrset in dns.message.from_wire(raw, xfr=True).answer)
     assert n == 2 + 3000 * 2    # SOA twice, one A and one SRV per service (no NS: no server address)
+
+
+# --- properties (hypothesis) -----------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+NAMES = sorted({c[0] for c in DEMO} | {"example.com", "db.example.com", ".", "in-addr.arpa", "ip6.arpa",
+                                       "testapp-svc.testapp.testapp.svc.cluster.local"})
+TYPES = ["A", "AAAA", "SRV", "PTR", "TXT", "ANY", "MX", "CNAME", "NS", "SOA", "HINFO", "CAA", "HTTPS"]
+
+
+@st.composite
+def queries(draw):
+    name = draw(st.sampled_from(NAMES))
+    if draw(st.booleans()):
+        prefix = draw(st.sampled_from(["x", "web-0", "_http._tcp", "10-1-2-3", "Nope"]))
+        name = prefix if name == "." else prefix + "." + name
+    name = "".join(c.upper() if draw(st.booleans()) else c for c in name) if draw(st.booleans()) else name
+    q = dns.message.make_query(name, draw(st.sampled_from(TYPES)))
+    q.id = draw(st.integers(0, 0xFFFF))
+    if not draw(st.booleans()):
+        q.flags &= ~dns.flags.RD
+    if draw(st.booleans()):
+        q.flags |= dns.flags.CD
+    edns = draw(st.sampled_from([None, 0, 0, 1]))
+    if edns is not None:
+        q.use_edns(edns, dns.flags.DO if draw(st.booleans()) else 0, draw(st.integers(0, 65535)))
+    return q.to_wire(), draw(st.booleans())
+
+
+@pytest.fixture(scope="module")
+def busy_engine(demo_state, h):
+    return h.make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM), fallthrough=("ip6.arpa",),
+                         server_addresses=lambda: ["10.161.0.2"])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(queries())
+def test_fast_path_equals_full_path(busy_engine, h, query):
+    wire, tcp = query
+    first = resolve(busy_engine, wire, tcp)
+    fast = busy_engine.fast(wire, tcp)
+    again = resolve(busy_engine, wire, tcp)
+    assert isinstance(first, bytes) and again == first
+    if fast is not None:
+        assert fast == first
+    m = dns.message.from_wire(first)
+    q = dns.message.from_wire(wire)
+    assert m.id == q.id and m.question == q.question
+    assert first[12:len(wire) - (11 if q.edns >= 0 else 0)] == wire[12:len(wire) - (11 if q.edns >= 0 else 0)]
+    assert len(first) <= (65535 if tcp else (1232 if q.edns >= 0 else 512))
+    if q.edns >= 0:
+        assert m.edns == 0 and m.payload == 1232
+    if q.edns == 0 and m.question[0].name.is_subdomain(dns.name.from_text("cluster.local")) \
+            and m.rcode() in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN) and m.question[0].rdtype != dns.rdatatype.NS \
+            and m.flags & dns.flags.AA and not any(r.rdtype == dns.rdatatype.CNAME and
+                                                   not r[0].target.is_subdomain(dns.name.from_text("cluster.local"))
+                                                   for r in m.answer):
+        assert fast is not None, "a zone answer is prebuilt after its first resolve()"
+
+
+mutations = st.tuples(st.integers(0, 80), st.integers(0, 255))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(
+    st.binary(max_size=120),
+    st.tuples(queries(), st.lists(mutations, min_size=1, max_size=6)).map(
+        lambda t: (bytes(_mutate(t[0][0], t[1])), t[0][1])),
+    st.tuples(queries(), st.integers(0, 80)).map(lambda t: (t[0][0][:t[1]], t[0][1])),
+))
+def test_malformed_input_never_raises(busy_engine, caplog, data):
+    wire, tcp = (data, False) if isinstance(data, bytes) else data
+    caplog.clear()
+    busy_engine.fast(wire, tcp)
+    reply = resolve(busy_engine, wire, tcp)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], "the engine hit an internal error"
+    if reply is None:
+        assert len(wire) < 12 or wire[2] & 0x80
+    else:
+        assert isinstance(reply, (bytes, list))
+        if isinstance(reply, bytes):
+            assert reply[:2] == wire[:2] and reply[2] & 0x80
+
+
+def _mutate(wire: bytes, changes) -> bytearray:
+    out = bytearray(wire)
+    for pos, value in changes:
+        if pos < len(out):
+            out[pos] = value
+    return out
