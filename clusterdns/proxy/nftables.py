@@ -16,13 +16,14 @@ a grace period and deletes them in a later one).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Mapping
 
 from ..config import Config
 from ..state import ClusterState
 from . import names as n
-from .servicemap import Categorized, NodeInfo, ServicePortInfo, gc_paused, node_info, service_ports
+from .servicemap import (
+    Categorized, NodeInfo, ServicePortInfo, gc_paused, node_info, service_ports, service_ports_for,
+)
 
 # (chain, type, hook, priority): kube-proxy's base chains
 BASE_CHAINS = (
@@ -64,13 +65,31 @@ NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
 
 
 @dataclass(frozen=True)
-class NftState:
-    """What the table holds after a text is applied: enough to compute the next transaction."""
-    family: int = 4
+class Objects:
+    """Chains, sets and elements that one owner (the base layout, or one Service) puts in the table."""
     chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # chain -> rules, in order
     chain_decls: Mapping[str, str] = field(default_factory=dict)          # chain -> "{ ... }" or ""
     sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)     # name -> ("set"|"map", "{ ... }")
+    elements: tuple[tuple[str, str, str], ...] = ()                       # (set, key, element text)
+
+
+@dataclass(frozen=True)
+class NftState:
+    """What the table holds after a text is applied: enough to compute the next transaction.
+
+    The mappings are never mutated once built. `owned` records which objects
+    each Service contributed, so a sync that knows which Services changed
+    rebuilds only those; `context` is what every Service's objects depend on
+    besides the Service itself (base layout, node zone): when it changes, a
+    sync rebuilds everything.
+    """
+    family: int = 4
+    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    chain_decls: Mapping[str, str] = field(default_factory=dict)
+    sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     elements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # name -> key -> element text
+    owned: Mapping[tuple[str, str], Objects] = field(default_factory=dict)
+    context: tuple = ()
 
     def summary(self) -> dict[str, int]:
         return {"chains": len(self.chains), "rules": sum(len(r) for r in self.chains.values()),
@@ -91,22 +110,23 @@ def _fam(family: int) -> tuple[str, str, str]:
 
 
 class _Builder:
-    def __init__(self, family: int) -> None:
-        self.family = family
+    """Collects one owner's objects in write order."""
+
+    def __init__(self) -> None:
         self.chains: dict[str, list[str]] = {}
         self.chain_decls: dict[str, str] = {}
         self.sets: dict[str, tuple[str, str]] = {}
-        self.elements: dict[str, dict[str, str]] = {}
+        self.elements: list[tuple[str, str, str]] = []
 
     def chain(self, name: str, decl: str = "") -> list[str]:
-        if name not in self.chains:
-            self.chains[name] = []
+        rules = self.chains.get(name)
+        if rules is None:
+            rules = self.chains[name] = []
             self.chain_decls[name] = decl
-        return self.chains[name]
+        return rules
 
     def set(self, name: str, kind: str, decl: str) -> None:
         self.sets[name] = (kind, decl)
-        self.elements.setdefault(name, {})
 
     def element(self, name: str, key: str, value: str = "", comment: str = "") -> None:
         text = key
@@ -114,27 +134,113 @@ class _Builder:
             text += f' comment "{comment}"'
         if value:
             text += f" : {value}"
-        self.elements[name][key] = text
+        self.elements.append((name, key, text))
 
-    def state(self) -> NftState:
-        return NftState(
-            family=self.family,
-            chains=MappingProxyType({k: tuple(v) for k, v in self.chains.items()}),
-            chain_decls=MappingProxyType(dict(self.chain_decls)),
-            sets=MappingProxyType(dict(self.sets)),
-            elements=MappingProxyType({k: MappingProxyType(v) for k, v in self.elements.items()}))
+    def objects(self) -> Objects:
+        return Objects({k: tuple(v) for k, v in self.chains.items()}, self.chain_decls, self.sets,
+                       tuple(self.elements))
+
+
+def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects], context: tuple) -> NftState:
+    chains: dict[str, tuple[str, ...]] = dict(base.chains)
+    decls: dict[str, str] = dict(base.chain_decls)
+    sets: dict[str, tuple[str, str]] = dict(base.sets)
+    elements: dict[str, dict[str, str]] = {name: {} for name in sets}
+    for name, key, text in base.elements:
+        elements[name][key] = text
+    for key in sorted(owned):
+        objs = owned[key]
+        chains.update(objs.chains)
+        decls.update(objs.chain_decls)
+        for name, spec in objs.sets.items():
+            sets[name] = spec
+            elements.setdefault(name, {})
+        for name, ekey, text in objs.elements:
+            elements.setdefault(name, {})[ekey] = text
+    return NftState(family, chains, decls, sets, elements, owned, context)
+
+
+def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]) -> NftState:
+    """previous with the objects of the changed Services replaced (None: the Service is gone)."""
+    chains = dict(previous.chains)
+    decls = dict(previous.chain_decls)
+    sets = dict(previous.sets)
+    elements = dict(previous.elements)
+    owned = dict(previous.owned)
+    copied: set[str] = set()
+
+    def writable(name: str) -> dict[str, str]:
+        if name not in copied:
+            elements[name] = dict(elements.get(name, {}))
+            copied.add(name)
+        return elements[name]  # type: ignore[return-value]
+
+    for key, objs in changes.items():
+        old = owned.pop(key, None)
+        if old is not None:
+            for name in old.chains:
+                chains.pop(name, None)
+                decls.pop(name, None)
+            for name in old.sets:
+                sets.pop(name, None)
+                elements.pop(name, None)
+                copied.discard(name)
+            for name, ekey, _ in old.elements:
+                if name in elements:
+                    writable(name).pop(ekey, None)
+    for key, objs in changes.items():
+        if objs is None:
+            continue
+        owned[key] = objs
+        chains.update(objs.chains)
+        decls.update(objs.chain_decls)
+        for name, spec in objs.sets.items():
+            sets[name] = spec
+            writable(name)
+        for name, ekey, text in objs.elements:
+            writable(name)[ekey] = text
+    return NftState(previous.family, chains, decls, sets, elements, owned, previous.context)
+
+
+def _partial(family: int, objs: list[Objects]) -> NftState:
+    """A state holding only these objects: the two sides of a diff restricted to changed Services."""
+    return _merge(family, Objects(), {(str(i), ""): o for i, o in enumerate(objs)}, ())
 
 
 def render(state: ClusterState, cfg: Config, family: int = 4, *,
-           previous: NftState | None = None) -> NftRuleSet:
-    """The nft -f transaction for `state`: full when previous is None, else only the changes."""
+           previous: NftState | None = None,
+           changed: set[tuple[str, str]] | frozenset[tuple[str, str]] | None = None) -> NftRuleSet:
+    """The nft -f transaction for `state`.
+
+    previous None: a full transaction (recreates the table). previous given:
+    only the changes from it. changed (with previous): the Service keys whose
+    Service or EndpointSlices changed since `previous` was rendered
+    (StateStore deltas); only those are rebuilt, so a small change costs
+    little however large the cluster. Without it every Service is rebuilt and
+    compared.
+    """
     with gc_paused():
-        new = build(state, cfg, family)
+        base, context, node, zone = _base(state, cfg, family)
         if previous is None or previous.family != family:
-            return NftRuleSet(text=full_text(new), state=new, full=True,
-                              changes=sum(new.summary().values()))
-        text, changes = diff_text(previous, new)
-        return NftRuleSet(text=text, state=new, full=False, changes=changes)
+            new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+            return NftRuleSet(text=full_text(new), state=new, full=True, changes=sum(new.summary().values()))
+        if changed is None or previous.context != context:
+            new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+            text, count = diff_text(previous, new)
+            return NftRuleSet(text=text, state=new, full=False, changes=count)
+        updates = {key: _service_objects(state, key, cfg, family, node, zone) for key in changed}
+        new = _apply(previous, updates)
+        old_side = _partial(family, [o for k in changed if (o := previous.owned.get(k)) is not None])
+        new_side = _partial(family, [o for o in updates.values() if o is not None])
+        text, count = diff_text(old_side, new_side)
+        return NftRuleSet(text=text, state=new, full=False, changes=count)
+
+
+def build(state: ClusterState, cfg: Config, family: int = 4) -> NftState:
+    """The complete table contents for `state`."""
+    with gc_paused():
+        base, context, node, zone = _base(state, cfg, family)
+        return _merge(family, base, _all_services(state, cfg, family, node, zone), context)
 
 
 def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, tuple[str, ...]]:
@@ -149,14 +255,41 @@ def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, 
     return True, ()
 
 
-def build(state: ClusterState, cfg: Config, family: int = 4) -> NftState:
-    """The complete table contents for `state`."""
+def _all_services(state: ClusterState, cfg: Config, family: int, node: NodeInfo,
+                  zone: str) -> dict[tuple[str, str], Objects]:
+    owned: dict[tuple[str, str], Objects] = {}
+    builders: dict[tuple[str, str], _Builder] = {}
+    _, ipx, addr_type = _fam(family)
+    for info, cat in service_ports(state, cfg, family):
+        b = builders.get(info.service)
+        if b is None:
+            b = builders[info.service] = _Builder()
+        _service(b, info, cat, node, cfg, ipx, addr_type)
+    for key, b in builders.items():
+        owned[key] = b.objects()
+    return owned
+
+
+def _service_objects(state: ClusterState, key: tuple[str, str], cfg: Config, family: int,
+                     node: NodeInfo, zone: str) -> Objects | None:
+    ports = service_ports_for(state, key, family, cfg.node_name, zone)
+    if not ports:
+        return None
+    _, ipx, addr_type = _fam(family)
+    b = _Builder()
+    for info, cat in ports:
+        _service(b, info, cat, node, cfg, ipx, addr_type)
+    return b.objects()
+
+
+def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple, NodeInfo, str]:
+    """The table's fixed layout, and the context every Service's objects depend on."""
     _, ipx, addr_type = _fam(family)
     node = node_info(state, cfg, family)
     mark = hex(1 << cfg.masquerade_bit)
     np_all, np_ips = nodeport_addresses(cfg, node, family)
     no_localhost = f"{ipx} daddr != 127.0.0.0/8" if family == 4 else f"{ipx} daddr != ::1"
-    b = _Builder(family)
+    b = _Builder()
 
     for name, ctype, hook, prio in BASE_CHAINS:
         b.chain(name, f"{{ type {ctype} hook {hook} priority {prio} ; }}")
@@ -204,9 +337,13 @@ def build(state: ClusterState, cfg: Config, family: int = 4) -> NftState:
     b.chain(SERVICES).append(f"{ipx} daddr . meta l4proto . th dport vmap @{SERVICE_IPS}")
     b.chain(SERVICES).append(f"{np_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")
 
-    for info, cat in service_ports(state, cfg, family):
-        _service(b, info, cat, node, cfg, ipx, addr_type)
-    return b.state()
+    zone = ""
+    if cfg.node_name and cfg.node_name in state.nodes:
+        zone = state.nodes[cfg.node_name].zone
+    base = b.objects()
+    # everything a Service's objects depend on besides the Service itself
+    context = (base, node, zone, cfg.masquerade_all)
+    return base, context, node, zone
 
 
 def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config,
