@@ -805,3 +805,20 @@ def _mutate(wire: bytes, changes) -> bytearray:
         if pos < len(out):
             out[pos] = value
     return out
+
+
+def test_fast_path_cost(h):
+    """Printed figure (noisy shared machine); the bound only catches a gross regression."""
+    import timeit
+    from clusterdns.synthetic import synthetic_records
+    engine = h.make_engine(h.make_state(synthetic_records(2000, 3)))
+    out = []
+    assert engine.fast(h.query_wire("svc-5.ns-5.svc.cluster.local", "A"), False) is None   # not built yet
+    for kw in ({}, {"use_edns": 0, "payload": 1232}):
+        wire = h.query_wire("svc-5.ns-5.svc.cluster.local", "A", **kw)
+        h.ask_wire(engine, wire)
+        assert engine.fast(wire, False) is not None
+        n = 20000
+        out.append(min(timeit.repeat(lambda: engine.fast(wire, False), number=n, repeat=3)) / n * 1e6)
+    print(f"\nfast() per hit: {out[0]:.2f} us without EDNS, {out[1]:.2f} us with EDNS")
+    assert max(out) < 100
