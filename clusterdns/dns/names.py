@@ -110,7 +110,7 @@ def parse(rest: Labels) -> Parsed:
 
 def endpoint_name(hostname: str, pod_name: str, ip: str, pod_names: bool) -> str:
     """The endpoint's DNS label: hostname, else (option) the pod name, else the dashed IP."""
-    if hostname:
+    if hostname and len(hostname) < 64:
         return hostname.lower()
     if pod_names and pod_name and len(pod_name) < 64:
         return pod_name.lower()

@@ -74,7 +74,9 @@ class ServiceData:
         self.svc, self.slices = svc, slices
         if svc.type == EXTERNAL_NAME:
             self.kind = "external"
-            self.target = names.split_name(svc.external_name)
+            target = names.split_name(svc.external_name)
+            valid = target and all(0 < len(x) < 64 for x in target) and len(".".join(target)) < 254
+            self.target = target if valid else ()    # an unusable target: the Service is not served
         elif svc.headless or not svc.cluster_ips:
             self.kind = "headless"
             self.target = ()

@@ -620,6 +620,20 @@ def test_external_name_in_zone_chase_and_loops(h):
     assert fwd.calls == []
 
 
+def test_unusable_names_are_not_served(h):
+    state = h.make_state([
+        ("Service", Service("ns", "bad1", type="ExternalName", external_name="a..b")),
+        ("Service", Service("ns", "bad2", type="ExternalName", external_name="x" * 70 + ".example.com")),
+        ("Service", Service("ns", "hl", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "hl-1", "hl", endpoints=(Endpoint(("10.1.0.1",), hostname="h" * 70),))),
+    ])
+    engine = h.make_engine(state)
+    for name in ("bad1", "bad2"):
+        assert h.ask(engine, f"{name}.ns.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    # an over-long hostname falls back to the dashed address
+    assert h.lines(h.ask(engine, "10-1-0-1.hl.ns.svc.cluster.local").answer) == a(f"10-1-0-1.hl.ns.{CL}", "10.1.0.1")
+
+
 def test_fallthrough(demo_state, h):
     fwd = FakeForwarder({("9.9.9.9.in-addr.arpa.", "PTR"): (0, ["9.9.9.9.in-addr.arpa. 60 IN PTR dns9.example."],
                                                            False)})
