@@ -263,7 +263,8 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
     ext_chain = "KUBE-EXT-" + h
     uses_ext_chain = has_endpoints and info.externally_accessible
     fw_chain = "KUBE-FW-" + h
-    uses_fw_chain = has_endpoints and bool(info.lb_ips) and bool(info.lb_source_ranges)
+    # ranges only in the other family allow nothing of this one: the chain then only falls through to the DROP
+    uses_fw_chain = has_endpoints and bool(info.lb_ips) and info.lb_firewall
     lb_chain = fw_chain if uses_fw_chain else ext_chain
 
     int_target = ext_target = int_comment = ext_comment = ""

@@ -206,7 +206,7 @@ def _service(info: ServicePortInfo, cat: Categorized, node_ip: str, nodeport_ips
         entries[LOAD_BALANCER].add(lb_entry)
         if info.external_local:
             entries[LOAD_BALANCER_LOCAL].add(lb_entry)
-        if info.lb_source_ranges:
+        if info.lb_firewall:
             entries[LOAD_BALANCER_FW].add(lb_entry)
             allow_node = False
             for cidr in info.lb_source_ranges:

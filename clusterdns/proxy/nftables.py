@@ -368,7 +368,7 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
     if info.external_local:
         external_policy_chain, has_external = local_chain, has_endpoints and bool(cat.local)
     uses_ext_chain = has_endpoints and info.externally_accessible
-    uses_fw_chain = has_endpoints and bool(info.lb_ips) and bool(info.lb_source_ranges)
+    uses_fw_chain = has_endpoints and bool(info.lb_ips) and info.lb_firewall
 
     int_verdict = ext_verdict = ""
     if not has_endpoints:
@@ -429,7 +429,8 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
         sources = list(info.lb_source_ranges)
         if node.primary_ip and any(_contains(c, node.primary_ip) for c in info.lb_source_ranges):
             sources += list(info.lb_ips)
-        b.chain(fw_chain).append(f"{ipx} saddr != {{ {', '.join(sources)} }} drop")
+        # ranges only in the other family allow nothing of this one
+        b.chain(fw_chain).append(f"{ipx} saddr != {{ {', '.join(sources)} }} drop" if sources else "drop")
 
     ep_chains = {ep.endpoint: n.nft_endpoint_base(info.namespace, info.service_name, proto, info.port_name,
                                                   ep.ip, ep.port) for ep in cat.reachable}

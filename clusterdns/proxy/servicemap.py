@@ -61,7 +61,8 @@ class ServicePortInfo:
     family: int = 4
     external_ips: tuple[str, ...] = ()
     lb_ips: tuple[str, ...] = ()
-    lb_source_ranges: tuple[str, ...] = ()
+    lb_source_ranges: tuple[str, ...] = ()   # of this family
+    lb_firewall: bool = False      # loadBalancerSourceRanges set (in any family): filter LB traffic
     node_port: int = 0
     affinity_timeout: int = 0      # 0: no ClientIP affinity
     external_local: bool = False   # externalTrafficPolicy Local (only when externally accessible)
@@ -320,7 +321,7 @@ def service_port_infos(svc: Service, family: int) -> list[ServicePortInfo]:
         info = ServicePortInfo(
             service=svc.key, port=port, name=sp_name, protocol=port.protocol.lower(),
             cluster_ip=cluster_ips[0], family=family, external_ips=external_ips, lb_ips=lb_ips,
-            lb_source_ranges=ranges, node_port=port.node_port,
+            lb_source_ranges=ranges, lb_firewall=bool(svc.lb_source_ranges), node_port=port.node_port,
             affinity_timeout=svc.affinity_timeout, internal_local=svc.internal_local,
             external_local=svc.external_local and bool(port.node_port or lb_ips or external_ips),
             health_check_node_port=svc.health_check_node_port,

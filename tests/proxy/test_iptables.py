@@ -557,6 +557,9 @@ def test_apply_full_partial_cleanup(netns):
     chains = iptables.parse_chains(saved)
     for table in ("filter", "nat", "mangle"):
         assert {c for c in chains[table] if c.startswith("KUBE-")} == set(full.chains[table])
+    # iptables-save spells every jump exactly as jump_rules says (appliers check with -C / by text)
+    present = set(saved.splitlines())
+    assert all(f"-A {chain} {spec}" in present for _, chain, spec in iptables.jump_rules(KUBE_PROXY_CFG, 4))
     # the built-in chains got their jumps, in kube-proxy's order (last inserted first)
     assert parse(saved)["nat"][1]["PREROUTING"] == [
         '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES']
@@ -651,3 +654,19 @@ def test_rules_command_bad_manifest(tmp_path, capsys):
     bad.write_text("items: [")
     assert main(["rules", "--mode", "iptables", "--manifest", str(bad)]) == 2
     assert "clusterdns:" in capsys.readouterr().err
+
+
+def test_source_ranges_of_the_other_family_block_this_one():
+    st = state_from_records([
+        ("Service", Service("ns1", "svc1", LOAD_BALANCER, ("172.30.0.41", "fd00::41"),
+                            ports=(replace(P80, node_port=3001),), lb_ips=("5.6.7.8", "2001:db8::8"),
+                            lb_source_ranges=("203.0.113.0/25",))),
+        eps("ns1", "svc1", Endpoint(("10.180.0.1",))),
+        eps("ns1", "svc1", Endpoint(("fd00::1",)), family="IPv6", slice_name="svc1-v6")])
+    v6 = iptables.render(st, CFG, 6).text
+    assert nat(v6, "KUBE-FW-XPGD46QRK7WJZT7O") == [
+        '-A KUBE-FW-XPGD46QRK7WJZT7O -m comment --comment "other traffic to ns1/svc1:p80 will be dropped by '
+        'KUBE-PROXY-FIREWALL"']
+    assert "-d 2001:db8::8 --dport 80 -j DROP" in v6
+    v4 = iptables.render(st, CFG, 4).text
+    assert "-s 203.0.113.0/25 -j KUBE-EXT-XPGD46QRK7WJZT7O" in v4
