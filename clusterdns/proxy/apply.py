@@ -209,11 +209,13 @@ class NftExecutor:
     async def apply(self, text: str) -> None:
         _check(await self.runner.run(["nft", "-f", "-"], text))
 
-    async def table_exists(self, table: str = NFT_TABLE) -> bool:
-        # Lists table names only: cheap however large our table is.
-        res = await self.runner.run(["nft", "list", "tables", self.nft_family])
-        return res.returncode == 0 and any(
-            line.split()[-1:] == [table] for line in res.stdout.splitlines())
+    async def table_exists(self, table: str = NFT_TABLE, probe: str = "cluster-ips") -> bool:
+        """Whether our table is there, by listing one small set of it.
+
+        `nft list tables` loads the whole ruleset cache (~0.25 s with 1,000
+        services here); listing the ClusterIP set costs ~10 ms."""
+        res = await self.runner.run(["nft", "list", "set", self.nft_family, table, probe])
+        return res.returncode == 0
 
 
 # ---------------------------------------------------------------- IPVS
