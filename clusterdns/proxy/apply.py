@@ -218,6 +218,13 @@ class NftExecutor:
         return res.returncode == 0
 
 
+    async def table_listed(self, table: str = NFT_TABLE) -> bool:
+        """Whether `nft list tables` shows our table (thorough; for cleanup, not per sync)."""
+        res = await self.runner.run(["nft", "list", "tables", self.nft_family])
+        return res.returncode == 0 and any(
+            line.split()[-1:] == [table] for line in res.stdout.splitlines())
+
+
 # ---------------------------------------------------------------- IPVS
 
 IPVS_DEVICE = "kube-ipvs0"

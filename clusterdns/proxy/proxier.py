@@ -446,7 +446,7 @@ async def cleanup(cfg: Config, runner: CommandRunner | None = None) -> list[str]
                     await exe.restore(text)
                 done.append(f"iptables-{backend} IPv{family}")
         nft = NftExecutor(runner, family)
-        if await nft.table_exists():
+        if await nft.table_listed():
             from . import nftables
             await nft.apply(nftables.cleanup_text(family))
             done.append(f"nftables IPv{family}")

@@ -313,7 +313,7 @@ async def test_cleanup_removes_ours_only():
         if argv == ("iptables-nft-save",):
             return Result(argv, 0, SAVE)
         if argv[0] == "nft" and argv[1] == "list":
-            return Result(argv, 1, "", "Error: No such file or directory")
+            return Result(argv, 0, "table ip filter\n")
         if argv[:3] == ("ip", "link", "show"):
             return Result(argv, 1, "", "Device does not exist")
         return Result(argv, 0, "")
