@@ -30,7 +30,7 @@ from .zone import label as zone_label
 
 log = logging.getLogger(__name__)
 
-MEMO_LIMIT = 200_000          # prebuilt answers kept per state version
+MEMO_LIMIT = 100_000          # prebuilt answers kept per state version (then emptied)
 _FLAGS_MASK_UPSTREAM = 0x87FF  # QR..RCODE of an upstream reply, opcode cleared
 
 
