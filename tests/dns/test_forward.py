@@ -11,8 +11,11 @@ import socket
 import struct
 import time
 
+import dns.flags
 import dns.message
+import dns.name
 import dns.rcode
+import dns.rdatatype
 import dns.rrset
 import dnslib
 import pytest
@@ -22,6 +25,11 @@ from clusterdns.dns.cache import Cache, cache_key
 from clusterdns.dns.forward import Forward, upstreams_from
 
 SOA = "example. 60 IN SOA ns.example. host.example. 1 7200 1800 86400 30"
+
+
+def soa_rrset():
+    name, ttl, cls, rtype, rdata = SOA.split(" ", 4)
+    return dns.rrset.from_text(name, int(ttl), cls, rtype, rdata)
 
 
 class FakeUpstream:
@@ -50,14 +58,14 @@ class FakeUpstream:
         texts = self.records.get(question.name.to_text().lower())
         if texts is None:
             r.set_rcode(dns.rcode.NXDOMAIN)
-            r.authority.append(dns.rrset.from_text(*SOA.split(" ", 3)[:3], *SOA.split(" ", 4)[3:]))
+            r.authority.append(soa_rrset())
             return r.to_wire()
         for text in texts:
             name, ttl, cls, rtype, rdata = text.split(" ", 4)
             if dns.rdatatype.from_text(rtype) == question.rdtype:
                 r.answer.append(dns.rrset.from_text(name, int(ttl), cls, rtype, rdata))
         if not r.answer:
-            r.authority.append(dns.rrset.from_text(*SOA.split(" ", 3)[:3], *SOA.split(" ", 4)[3:]))
+            r.authority.append(soa_rrset())
         if proto == "udp" and self.truncate_udp:
             r.answer = []
             r.flags |= dns.flags.TC

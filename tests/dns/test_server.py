@@ -9,7 +9,6 @@ dnspython and dig.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import socket
@@ -20,12 +19,11 @@ import time
 from pathlib import Path
 
 import dns.asyncquery
-import dns.edns
+import dns.exception
 import dns.flags
 import dns.message
 import dns.query
 import dns.rcode
-import dns.rdatatype
 import dnslib
 import pytest
 from prometheus_client import generate_latest
