@@ -48,7 +48,7 @@ class CommandRunner(Protocol):
 class SubprocessRunner:
     """Runs tools as child processes; `prefix` wraps every command (e.g. `ip netns exec NS`)."""
 
-    def __init__(self, prefix: Iterable[str] = (), timeout: float = 120.0) -> None:
+    def __init__(self, prefix: Iterable[str] = (), timeout: float = 600.0) -> None:
         self.prefix = tuple(prefix)
         self.timeout = timeout
 
