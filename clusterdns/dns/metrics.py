@@ -29,6 +29,7 @@ MONITORED_TYPES = {int(getattr(dnslib.QTYPE, t)): t for t in (
     "HTTPS", "SVCB", "CAA", "HINFO", "ANY", "AXFR", "IXFR")}
 RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED",
           6: "YXDOMAIN", 7: "YXRRSET", 8: "NXRRSET", 9: "NOTAUTH", 10: "NOTZONE"}
+RAW_LIMIT = 4096  # distinct per-query keys kept before folding
 ZONE = "."   # the one server block: every query enters the "." chain
 
 
@@ -59,7 +60,7 @@ class ServerStats:
         # folded totals
         self.requests: dict[tuple[bool, int], int] = {}
         self.responses: dict[tuple[int, bool], int] = {}
-        self.fast: dict[int, int] = {}
+        self.fast: dict[int, int] = {}                           # qtype -> all queries (bucket counts derive from it)
         self.duration_sum: dict[int, float] = {}
         self.request_sizes: dict[tuple[bool, int], int] = {}
         self.response_sizes: dict[tuple[bool, int], int] = {}
@@ -77,13 +78,23 @@ class ServerStats:
         else:
             key = (tcp, qtype, -1, len(data), 0)
         raw = self.raw
-        raw[key] = raw.get(key, 0) + 1
+        n = raw.get(key)
+        if n is None:
+            # A new combination: fold now and then so odd traffic (random types and
+            # sizes) cannot grow the table between scrapes, or without any scrape.
+            if len(raw) >= RAW_LIMIT:
+                self.fold()
+                raw = self.raw
+            raw[key] = 1
+        else:
+            raw[key] = n + 1
         sums = self.sums
         sums[qtype] = sums.get(qtype, 0.0) + elapsed
         if elapsed >= FIRST_BUCKET:
             self._slow(qtype, elapsed)
 
     def _slow(self, qtype: int, elapsed: float) -> None:
+        qtype = qtype if qtype in MONITORED_TYPES else -1
         counts = self.slow.get(qtype)
         if counts is None:
             counts = self.slow[qtype] = [0] * (len(DURATION_BUCKETS) + 1)
@@ -98,6 +109,7 @@ class ServerStats:
         raw, self.raw = self.raw, {}
         sums, self.sums = self.sums, {}
         for (tcp, qtype, flags, qsize, rsize), n in raw.items():
+            qtype = qtype if qtype in MONITORED_TYPES else -1     # "other": bounded totals
             k = (tcp, qtype)
             self.requests[k] = self.requests.get(k, 0) + n
             self.fast[qtype] = self.fast.get(qtype, 0) + n
@@ -109,6 +121,7 @@ class ServerStats:
                 k = (tcp, rsize)
                 self.response_sizes[k] = self.response_sizes.get(k, 0) + n
         for qtype, total in sums.items():
+            qtype = qtype if qtype in MONITORED_TYPES else -1
             self.duration_sum[qtype] = self.duration_sum.get(qtype, 0.0) + total
 
     def duration_counts(self, qtype: int) -> list[float]:

@@ -578,3 +578,41 @@ async def test_forwarding_loop_is_detected_and_the_upstream_disabled(caplog):
         assert (await aquery(service, "testapp-svc.testapp.svc.cluster.local.")).answer  # still serving
     finally:
         await stop_inprocess(service, task)
+
+
+def test_stats_stay_bounded_under_odd_traffic():
+    """Random types and sizes fold into bounded totals even when nobody scrapes."""
+    import random
+    stats = metrics.ServerStats("dns://test", 1)
+    rnd = random.Random(7)
+    started = time.perf_counter()
+    for _ in range(30000):
+        q = dnslib.DNSRecord.question("x.example", "A")
+        q.q.qtype = rnd.randrange(65536)
+        data = bytes(q.pack()) + b"\x00" * rnd.randrange(300)
+        stats.record(data, data[:2] + b"\x81\x83" + data[4:], rnd.random() < 0.5, started)
+    assert len(stats.raw) <= metrics.RAW_LIMIT
+    stats.fold()
+    assert sum(stats.requests.values()) == 30000
+    assert len(stats.requests) <= 2 * (len(metrics.MONITORED_TYPES) + 1)
+    assert sum(n for (rcode, aa), n in stats.responses.items() if rcode == 3) == 30000
+
+
+async def test_ipv6_listener():
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        s.bind(("::1", 0))
+        s.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback in this environment")
+    service = DnsService(load(["dns", "--manifest", "x", "--listen", "[::1]:0", "--no-upstream"]),
+                         StateStore(), engine=EngineDouble())
+    await service.start()
+    try:
+        host, port = service.bound[0]
+        assert host == "::1"
+        for query in (dns.asyncquery.udp, dns.asyncquery.tcp):
+            r = await query(dns.message.make_query("fast.example.", "A"), "::1", port=port, timeout=2)
+            assert r.answer[0][0].address == "192.0.2.1"
+    finally:
+        await service.stop()
