@@ -108,6 +108,8 @@ class DnsView:
         self._version = 0
         self._observed: dict[tuple[str, str], float] = {}   # slice key -> last trigger time observed
         self._remember(store.current)
+        # Services already in the store wait for a sync like any change.
+        self._deltas.append((store.current.version, frozenset(store.current.services), True))
         self._recompute(set(store.current.services), store.current, full=True)
         store.subscribe(self._on_store)
 

@@ -116,6 +116,16 @@ def test_full_replace_and_unknown_applied_version():
     assert set(view.current.services) == {("ns", "b"), ("ns", "c")}
 
 
+def test_view_built_on_a_filled_store():
+    store = StateStore()
+    store.upsert("Service", svc("a"))
+    store.upsert("Service", svc("h", ip=None, headless=True))
+    view = DnsView(store)
+    assert set(view.current.services) == {("ns", "h")}
+    view.applied(store.current.version)
+    assert set(view.current.services) == {("ns", "a"), ("ns", "h")}
+
+
 def test_view_states_are_immutable_snapshots():
     store = StateStore()
     view = DnsView(store)

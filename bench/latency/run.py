@@ -1,0 +1,268 @@
+"""Change-to-effect latency of `clusterdns agent`: from an object change at the source
+to DNS answering for it and to its rules working in the kernel.
+
+    sudo python3 bench/latency/run.py                       # 1,000 and 10,000 services, iptables
+    sudo python3 bench/latency/run.py --services 1000 --changes 20 --mode nftables
+
+Everything runs in a scratch network namespace created for the run and deleted
+after it: the fake API server (tests/fakeapi.py, the real list/watch protocol),
+the agent applying real rules (--min-sync-period 1), and the probes.
+
+Each change creates a new Service (ClusterIP in 10.200.0.0/16, port 80) whose
+EndpointSlice (one endpoint, 10.255.0.1:8080, a listener on the namespace's lo)
+was created a sync period before; at the Service's creation the slice is
+touched with a new last-change-trigger-time, as the EndpointSlice controller
+does. The clock starts at the Service's creation. Then, concurrently:
+- DNS: `<svc>.<ns>.svc.cluster.local A` over UDP every 5 ms until it answers;
+- rules: a TCP connect to ClusterIP:80 (60 ms timeout) until it reaches the
+  listener, which only the proxier's DNAT can make happen (10.200.0.0/16 is
+  routed into a portless bridge, so without rules the SYN goes nowhere).
+Changes are spaced by more than the minimum sync period, so each measures the
+floor latency, not the rate limiter. When DNS answers, the probe is checked at
+once: an address served before its rules work is counted as an ordering violation.
+
+The machine is shared and small: figures are noisy; compare runs made together.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from datetime import datetime, timezone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+BACKEND = "10.255.0.1"
+HEALTH = "127.0.0.1:18095"
+DNS_PORT = 5399
+
+
+def sh(*argv: str, check: bool = True) -> str:
+    res = subprocess.run(argv, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip()}")
+    return res.stdout
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))
+    return ordered[k]
+
+
+# ---------------------------------------------------------------- inside the namespace
+
+def setup_namespace() -> None:
+    sh("ip", "link", "set", "lo", "up")
+    sh("ip", "addr", "add", f"{BACKEND}/32", "dev", "lo")
+    sh("ip", "link", "add", "void0", "type", "bridge")
+    sh("ip", "link", "set", "void0", "up")
+    sh("ip", "addr", "add", "192.168.77.2/24", "dev", "void0")
+    sh("ip", "route", "add", "10.200.0.0/16", "dev", "void0")
+    sh("ip", "route", "add", "10.96.0.0/12", "dev", "void0")
+
+
+def listener() -> None:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((BACKEND, 8080))
+    s.listen(512)
+
+    def serve() -> None:
+        while True:
+            c, _ = s.accept()
+            c.close()
+    threading.Thread(target=serve, daemon=True).start()
+
+
+def base_objects(services: int) -> list[dict]:
+    from clusterdns.synthetic import synthetic_records, to_manifest
+    return json.loads(to_manifest(synthetic_records(services=services, endpoints=3)))["items"]
+
+
+def new_objects(i: int) -> tuple[list[dict], str, str]:
+    from tests.fakeapi import endpoint_slice, service
+    ns, name = "bench", f"new-{i}"
+    ip = f"10.200.{i // 250}.{i % 250 + 1}"
+    svc = service(ns, name, ip, ports=(("http", 80, "TCP"),))
+    svc["spec"]["ports"][0]["targetPort"] = 8080
+    sl = endpoint_slice(ns, name, [BACKEND], port=8080)
+    return [svc, sl], f"{name}.{ns}.svc.cluster.local.", ip
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+async def dns_answers(name: str) -> bool:
+    import dns.asyncquery
+    import dns.message
+    q = dns.message.make_query(name, "A")
+    try:
+        r = await dns.asyncquery.udp(q, "127.0.0.1", port=DNS_PORT, timeout=0.5)
+    except Exception:
+        return False
+    return bool(r.answer)
+
+
+async def rules_work(ip: str, timeout: float = 0.06) -> bool:
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(ip, 80), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    w.close()
+    return True
+
+
+async def measure_one(api, i: int, gap: float) -> dict:
+    (svc, sl), name, ip = new_objects(i)
+    # The EndpointSlice first (untimed), then the timed change: creating the Service.
+    # Created together, a sync may catch the Service before its slice and rightly
+    # program a REJECT; the figure would then measure the rate limiter's wait.
+    api.add(sl)
+    await asyncio.sleep(gap)
+    sl = dict(sl, metadata=dict(sl["metadata"], annotations={
+        "endpoints.kubernetes.io/last-change-trigger-time": _now()}))
+    t0 = time.monotonic()
+    api.add(svc)
+    api.update(sl)   # as the EndpointSlice controller does once the Service exists
+    out: dict = {}
+
+    async def poll_dns():
+        while not await dns_answers(name):
+            await asyncio.sleep(0.005)
+        out["dns"] = time.monotonic() - t0
+        # A generous timeout: on a busy machine a working DNAT may take a while to answer,
+        # while a missing rule never does.
+        out["rules_at_dns"] = await rules_work(ip, 1.0)
+
+    async def poll_rules():
+        while not await rules_work(ip):
+            await asyncio.sleep(0.005)
+        out["rules"] = time.monotonic() - t0
+
+    await asyncio.wait_for(asyncio.gather(poll_dns(), poll_rules()), 30)
+    return out
+
+
+def scrape(names: tuple[str, ...]) -> dict[str, str]:
+    text = urllib.request.urlopen(f"http://{HEALTH}/metrics", timeout=5).read().decode()
+    return {line.split(" ")[0]: line.split(" ")[1] for line in text.splitlines()
+            if line.startswith(names) and ("_sum" in line or "_count" in line)}
+
+
+def inner(args) -> dict:
+    from tests.fakeapi import FakeAPIServer, namespace
+    setup_namespace()
+    listener()
+    api = FakeAPIServer(history=100000).start()
+    tmp = f"/tmp/cdbench-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    api.add_all(base_objects(args.services) + [namespace("bench")])
+    kubeconfig = api.write_kubeconfig(os.path.join(tmp, "kubeconfig"))
+    log = open(os.path.join(tmp, "agent.log"), "w")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "clusterdns", "agent", "--kubeconfig", kubeconfig,
+         "--listen", f"127.0.0.1:{DNS_PORT}", "--proxy-mode", args.mode, "--apply",
+         "--min-sync-period", "1", "--sync-period", "60", "--no-upstream", "--lameduck", "0",
+         "--cluster-cidr", "10.0.0.0/8", "--health-listen", HEALTH, "--metrics-listen", "none",
+         "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        t_start = time.monotonic()
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://{HEALTH}/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if agent.poll() is not None or time.monotonic() - t_start > 300:
+                raise RuntimeError("agent did not become ready; see " + log.name)
+            time.sleep(0.1)
+        ready_after = time.monotonic() - t_start
+        time.sleep(args.gap)
+        results = []
+        for i in range(args.changes):
+            results.append(asyncio.run(measure_one(api, i, args.gap)))
+            time.sleep(args.gap)
+        metrics = scrape(("kubeproxy_network_programming_duration_seconds",
+                          "coredns_kubernetes_dns_programming_duration_seconds",
+                          "kubeproxy_sync_proxy_rules_duration_seconds"))
+    finally:
+        agent.terminate()
+        agent.wait(20)
+        api.close()
+    dns = [r["dns"] for r in results]
+    rules = [r["rules"] for r in results]
+    both = [max(r["dns"], r["rules"]) for r in results]
+    return {"services": args.services, "mode": args.mode, "changes": len(results),
+            "ready_after_s": round(ready_after, 2),
+            "dns_median": statistics.median(dns), "dns_p99": percentile(dns, 0.99),
+            "rules_median": statistics.median(rules), "rules_p99": percentile(rules, 0.99),
+            "both_median": statistics.median(both), "both_p99": percentile(both, 0.99),
+            "ordering_violations": sum(1 for r in results if not r["rules_at_dns"]),
+            "metrics": metrics}
+
+
+# ---------------------------------------------------------------- outside
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--services", type=int, action="append", help="cluster sizes (default 1000 and 10000)")
+    p.add_argument("--changes", type=int, default=30)
+    p.add_argument("--gap", type=float, default=1.3, help="seconds between changes (> min sync period)")
+    p.add_argument("--mode", choices=("iptables", "nftables"), default="iptables")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.inner:
+        args.services = args.services[0]
+        print(json.dumps(inner(args)))
+        return 0
+    if os.geteuid() != 0:
+        print("needs root (a scratch network namespace)", file=sys.stderr)
+        return 2
+    rows = []
+    for n in args.services or [1000, 10000]:
+        ns = f"cdbench-{os.getpid()}-{n}"
+        sh("ip", "netns", "add", ns)
+        try:
+            out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
+                                  "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
+                                  "--mode", args.mode], capture_output=True, text=True, cwd=ROOT)
+            if out.returncode != 0:
+                print(out.stderr, file=sys.stderr)
+                return 1
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    print(f"{'services':>8} {'mode':>8} {'changes':>7} {'DNS med':>8} {'DNS p99':>8} {'rules med':>9} "
+          f"{'rules p99':>9} {'both med':>8} {'both p99':>8} {'order viol':>10}")
+    for r in rows:
+        print(f"{r['services']:>8} {r['mode']:>8} {r['changes']:>7} {r['dns_median']:>8.3f} {r['dns_p99']:>8.3f} "
+              f"{r['rules_median']:>9.3f} {r['rules_p99']:>9.3f} {r['both_median']:>8.3f} {r['both_p99']:>8.3f} "
+              f"{r['ordering_violations']:>10}")
+    for r in rows:
+        m = r["metrics"]
+        for metric in ("kubeproxy_network_programming_duration_seconds",
+                       "coredns_kubernetes_dns_programming_duration_seconds",
+                       "kubeproxy_sync_proxy_rules_duration_seconds"):
+            for key in sorted(k for k in m if k.startswith(metric + "_count")):
+                count = float(m[key])
+                total = float(m.get(key.replace("_count", "_sum"), "0"))
+                if count:
+                    print(f"  {r['services']:>6} services: {key.replace('_count', '')}: "
+                          f"{int(count)} observations, mean {total / count:.3f}s")
+        print(f"  {r['services']:>6} services: agent ready {r['ready_after_s']}s after start")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
