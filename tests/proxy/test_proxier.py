@@ -326,3 +326,50 @@ async def test_cleanup_removes_ours_only():
     assert "-D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES" in text
     assert "OTHER-CHAIN" not in text and "KUBE-KUBELET-CANARY" not in text
     assert not any(a[:2] == ("nft", "-f") for a, _ in runner.calls)
+
+
+async def test_missing_canary_forces_a_full_sync():
+    canary = {"present": True}
+
+    def respond(argv, stdin):
+        if "-S" in argv and "KUBE-PROXY-CANARY" in argv:
+            return Result(argv, 0 if canary["present"] else 1, "", "" if canary["present"] else "No chain")
+        return None
+
+    now = [5000.0]
+    cfg = cfg_of("--sync-period", "10")
+    runner = RecordingRunner(respond)
+    store = StateStore()
+    proxier = px.Proxier(cfg, store, executor=runner, monotonic=lambda: now[0])
+    publish(store, demo_records())
+    task = asyncio.create_task(proxier.run())
+    try:
+        assert await proxier.wait_synced(timeout=3)
+        sl = store.current.slices[("kube-system", "kube-dns-7fz8q")]
+        # Within half a sync period: a partial sync, no canary check.
+        now[0] += 1
+        store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=sl.endpoints[:1]))
+        assert await proxier.wait_synced(store.current.version, timeout=3)
+        assert "*mangle" not in restores(runner)[-1][1]
+        assert not any("-S" in a for a, _ in runner.calls)
+        # Later the tables were flushed behind our back: the canary is gone.
+        canary["present"] = False
+        now[0] += 6
+        store.upsert("EndpointSlice", sl)
+        assert await proxier.wait_synced(store.current.version, timeout=3)
+        assert any("-S" in a for a, _ in runner.calls)
+        assert "*mangle" in restores(runner)[-1][1]
+    finally:
+        await proxier.stop()
+        await asyncio.wait_for(task, 2)
+
+
+async def test_ipvs_mode_applies_through_ipvsadm_restore():
+    pytest.importorskip("clusterdns.proxy.ipvs")
+    rig = Rig(cfg_of("--proxy-mode", "ipvs"))
+    async with rig:
+        await rig.synced()
+        cmds = rig.runner.commands()
+        assert "ipvsadm-restore" in cmds and "ipset restore -exist" in cmds
+        ipvsadm = next(s for a, s in rig.runner.calls if a == ("ipvsadm-restore",))
+        assert "172.20.36.232:8080" in ipvsadm
