@@ -256,13 +256,21 @@ class DnsService:
             async with lock:
                 for reply in replies:
                     writer.write(struct.pack("!H", len(reply)) + reply)
-                await writer.drain()
+                try:
+                    # A client that stops reading must not hold the connection forever.
+                    await asyncio.wait_for(writer.drain(), TCP_IDLE_TIMEOUT)
+                except asyncio.TimeoutError:
+                    writer.transport.abort()
+                    raise ConnectionError("client stopped reading") from None
 
         async def slow(data: bytes, started: float) -> None:
             reply = await self.resolve(data, client_ip, True)
             replies = reply if isinstance(reply, list) else ([] if reply is None else [reply])
             if replies and not writer.is_closing():
-                await send(replies)
+                try:
+                    await send(replies)
+                except (ConnectionError, OSError):
+                    pass
             stats.record(data, replies[0] if replies else None, True, started)
 
         while True:
