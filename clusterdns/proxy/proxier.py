@@ -119,6 +119,7 @@ class SyncOutcome:
 
 class IptablesBackend:
     mode = "iptables"
+    full_every = "sync_period"   # the issue: a full sync every --sync-period
 
     def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
         self.cfg, self.family, self.applying = cfg, family, applying
@@ -160,6 +161,9 @@ class IptablesBackend:
 
 class NftablesBackend:
     mode = "nftables"
+    # Periodic syncs only apply what changed; the whole table is rewritten
+    # hourly, as kube-proxy does (a full transaction is costly at scale).
+    full_every = "hour"
 
     def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
         self.cfg, self.family = cfg, family
@@ -170,6 +174,8 @@ class NftablesBackend:
         from . import nftables
         previous = None if changed is None else self.previous
         rs = nftables.render(state, self.cfg, self.family, previous=previous)
+        if not rs.text.strip():
+            return SyncOutcome()
         try:
             await self.exe.apply(rs.text)
         except ApplyError:
@@ -184,6 +190,7 @@ class NftablesBackend:
 
 class IpvsBackend:
     mode = "ipvs"
+    full_every = "sync_period"
 
     def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
         self.cfg, self.family = cfg, family
@@ -320,8 +327,10 @@ class Proxier:
         now = self.monotonic()
         changed, self._pending = self._pending, set()
         triggers, self._triggers = self._triggers, {}
-        full = (self._need_full or now - self._last_full >= self.cfg.sync_period * 0.999
-                or now - self._last_full >= FULL_SYNC_PERIOD)
+        period = FULL_SYNC_PERIOD
+        if any(b.full_every == "sync_period" for b in self.backends.values()):
+            period = min(period, self.cfg.sync_period * 0.999)
+        full = self._need_full or now - self._last_full >= period
         if not full and self.applying and now - self._last_canary >= self.cfg.sync_period / 2:
             self._last_canary = now
             for fam, backend in self.backends.items():

@@ -373,3 +373,14 @@ async def test_ipvs_mode_applies_through_ipvsadm_restore():
         assert "ipvsadm-restore" in cmds and "ipset restore -exist" in cmds
         ipvsadm = next(s for a, s in rig.runner.calls if a == ("ipvsadm-restore",))
         assert "172.20.36.232:8080" in ipvsadm
+
+
+async def test_nftables_periodic_syncs_are_partial():
+    pytest.importorskip("clusterdns.proxy.nftables")
+    rig = Rig(cfg_of("--proxy-mode", "nftables", "--sync-period", "0.2"))
+    async with rig:
+        await rig.synced()
+        await asyncio.sleep(0.5)
+        assert rig.proxier.syncs >= 2
+        texts = [s for a, s in rig.runner.calls if a[:2] == ("nft", "-f")]
+        assert len(texts) == 1     # nothing changed: nothing more to apply
