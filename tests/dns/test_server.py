@@ -616,3 +616,23 @@ async def test_ipv6_listener():
             assert r.answer[0][0].address == "192.0.2.1"
     finally:
         await service.stop()
+
+
+async def test_idle_tcp_connection_is_closed_and_connections_are_bounded(double_server, monkeypatch):
+    from clusterdns.dns import server as server_mod
+    monkeypatch.setattr(server_mod, "TCP_IDLE_TIMEOUT", 0.3)
+    monkeypatch.setattr(server_mod, "TCP_MAX_CONNECTIONS", 2)
+    service, _ = double_server
+    host, port = addr(service)
+    conns = [await asyncio.open_connection(host, port) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    reader, writer = await asyncio.open_connection(host, port)      # the third: closed at once
+    assert await asyncio.wait_for(reader.read(1), 1) == b""
+    writer.close()
+    started = time.monotonic()
+    for r, w in conns:                                                 # idle ones closed after 0.3 s
+        assert await asyncio.wait_for(r.read(1), 3) == b""
+        w.close()
+    assert time.monotonic() - started < 2
+    r = await dns.asyncquery.tcp(dns.message.make_query("fast.example.", "A"), host, port=port, timeout=2)
+    assert r.rcode() == dns.rcode.NOERROR
