@@ -350,6 +350,9 @@ class DnsService:
 def banner(service: DnsService) -> str:
     addrs = " ".join(_show(h, p) for h, p in service.bound)
     up = getattr(service.forwarder, "upstreams", None)
-    ups = ", ".join(u.address for u in up) if up else ("none (REFUSED)" if service.forwarder is None else "?")
+    if service.forwarder is None:
+        ups = "none (--no-upstream: REFUSED)"
+    else:
+        ups = ", ".join(u.address for u in up) if up else "none found (SERVFAIL)"
     return (f"clusterdns dns {os.getpid()}: serving {', '.join(service.cfg.zones)} on {addrs} "
             f"(UDP+TCP); upstreams: {ups}")
