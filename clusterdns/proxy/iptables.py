@@ -223,7 +223,7 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
         chains["mangle"] = frozenset({n.KUBE_PROXY_CANARY})
     counts = {
         "filter": len(filter_rules) + len(jump_lines["filter"]),
-        "nat": sum(1 for r in all_nat_rules if not r.startswith("-X")) + len(jump_lines["nat"]),
+        "nat": len(all_nat_rules) - len(deleted) + len(jump_lines["nat"]),
     }
     return RuleSet(text=text, chains=chains, counts=counts,
                    deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large)

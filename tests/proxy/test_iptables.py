@@ -529,6 +529,34 @@ def test_jump_rules_match_full_text():
 
 # ---------------------------------------------------------------- the real tools
 
+V6_CFG = Config(command="rules", node_name="node-a", node_ips=("fd00:1::2",), cluster_cidrs=("fd00:10::/64",))
+
+
+def v6_feature_state():
+    """IPv6 with every feature at once: LB with source ranges, eTP Local, affinity, NodePort, externalIP."""
+    return state_from_records([
+        ("Service", Service("ns1", "svc1", LOAD_BALANCER, ("fd00:30::41",), ports=(replace(P80, node_port=3001),),
+                            external_ips=("2001:db8::5",), lb_ips=("2001:db8::8",),
+                            lb_source_ranges=("2001:db8:1::/48", "fd00:1::/64"), external_local=True,
+                            affinity_timeout=600, health_check_node_port=30000)),
+        eps("ns1", "svc1", Endpoint(("fd00:10::1",), node_name="node-a"), Endpoint(("fd00:10::2",)),
+            family="IPv6"),
+        ("Service", Service("ns2", "none", cluster_ips=("fd00:30::42",), ports=(P80,))),
+    ])
+
+
+def test_v6_features():
+    text = iptables.render(v6_feature_state(), V6_CFG, 6).text
+    assert "--to-destination [fd00:10::1]:80" in text
+    assert "-m recent --name KUBE-SEP-" in text
+    assert "-s 2001:db8::8 -j KUBE-EXT-" in text        # node inside a source range: the LB IP may come back
+    assert '"ns2/none:p80 has no endpoints" -m tcp -p tcp -d fd00:30::42 --dport 80 -j REJECT' in text
+    text = iptables.render(v6_feature_state(), replace(V6_CFG, nodeport_addresses=("fd00:1::/64", "::1/128")), 6).text
+    # loopback never takes NodePorts on IPv6
+    assert [r for r in nat(text, "KUBE-SERVICES") if "nodeports" in r][0].endswith("-d fd00:1::2 -j KUBE-NODEPORTS")
+    assert "::1 -j KUBE-NODEPORTS" not in text
+
+
 @needs_netns
 def test_texts_accepted_by_iptables_restore(netns):
     cases = [
@@ -539,6 +567,8 @@ def test_texts_accepted_by_iptables_restore(netns):
                                                nodeport_addresses=("192.168.49.0/24",)), 4).text, 4),
         (iptables.render(one_service(service_kw={"affinity_timeout": 30, "internal_local": True}), CFG, 4).text, 4),
         (iptables.render(state_from_records(synthetic_records(101, 10)), CFG, 4).text, 4),
+        (iptables.render(v6_feature_state(), V6_CFG, 6).text, 6),
+        (iptables.render(v6_feature_state(), replace(V6_CFG, nodeport_addresses=("fd00:1::/64", "::1/128")), 6).text, 6),
     ]
     for text, family in cases:
         # --test still needs the tables to exist: apply an empty table first

@@ -297,9 +297,34 @@ def test_texts_accepted_by_nft(netns):
                  nftables.render(demo_state(), DEMO_CFG, 6).text,
                  nftables.render(kube_proxy_state(), KUBE_PROXY_CFG, 4).text,
                  nftables.render(demo_state(), replace(DEMO_CFG, masquerade_all=True, cluster_cidrs=(),
-                                                       nodeport_addresses=("all",)), 4).text):
+                                                       nodeport_addresses=("all",)), 4).text,
+                 nftables.render(_v6_state(), replace(DEMO_CFG, node_ips=("fd00:1::2",)), 6).text):
         r = nft(netns, text, check=True)
         assert r.returncode == 0, r.stderr[:2000]
+
+
+def _v6_state():
+    """IPv6 with LB source ranges (node inside one), eTP Local, affinity, NodePort and an endpoint-less port."""
+    return state_from_records([
+        ("Service", Service("ns1", "svc1", LOAD_BALANCER, ("fd00:20::41",), ports=(replace(P80, node_port=3001),),
+                            external_ips=("2001:db8::5",), lb_ips=("2001:db8::8",),
+                            lb_source_ranges=("2001:db8:1::/48", "fd00:1::/64"), external_local=True,
+                            affinity_timeout=600)),
+        ("EndpointSlice", EndpointSlice("ns1", "s6", "svc1", "IPv6",
+                                        (Endpoint(("fd00:161::1",), node_name="node-a"), Endpoint(("fd00:161::2",))),
+                                        (EndpointPort("p80", "TCP", 80),))),
+        ("Service", Service("ns2", "none", cluster_ips=("fd00:20::42",), ports=(P80,))),
+    ])
+
+
+def test_v6_features():
+    text = nftables.render(_v6_state(), replace(DEMO_CFG, node_ips=("fd00:1::2",)), 6).text
+    assert "ip6 saddr != { 2001:db8:1::/48, fd00:1::/64, 2001:db8::8 } drop" in text
+    assert "{ type ipv6_addr ; flags dynamic,timeout ; timeout 600s ; }" in text
+    assert "update @affinity-" in text and "{ ip6 saddr }" in text
+    assert 'add element ip6 kube-proxy no-endpoint-services { fd00:20::42 . tcp . 80 comment "ns2/none:p80" : ' \
+           "goto reject-chain }" in text
+    assert "add element ip6 kube-proxy nodeport-ips { fd00:1::2 }" in text
 
 
 def _mutations():
