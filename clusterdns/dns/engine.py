@@ -126,9 +126,13 @@ class Engine:
             return None
         if data[end + 3] or data[end + 4] != 1:     # class IN only
             return None
-        entry = self._view.memo.get(data[12:end + 1].lower() + data[end + 1:end + 3])
+        view = self._view
+        key = data[12:end + 1].lower() + data[end + 1:end + 3]
+        entry = view.memo.get(key)
         if entry is None:
-            return None
+            entry = self._carry(view, key)
+            if entry is None:
+                return None
         bodies = entry.bodies
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
         flags = entry.flags | ((data[2] << 8 | data[3]) & 0x0110)
@@ -212,7 +216,7 @@ class Engine:
         if qtype in (AXFR, IXFR):
             return await self._transfer(q, view)
         key = data[12:q.qend - 4].lower() + data[q.qend - 4:q.qend - 2]
-        entry = view.memo.get(key)
+        entry = view.memo.get(key) or self._carry(view, key)
         if entry is not None:
             return self._render_entry(q, entry)
         zone = names.zone_of(q.labels, view.zones)
@@ -237,12 +241,31 @@ class Engine:
             memo[key] = entry
         return self._render_entry(q, entry)
 
+    @staticmethod
+    def _carry(view: ZoneView, key: bytes) -> Entry | None:
+        """A prebuilt answer of an earlier state version that is still true: it came from one
+        Service whose data is unchanged (and still served). Taken into this version's table."""
+        for memo in view.carried:
+            entry = memo.get(key)
+            if entry is None:
+                continue
+            if entry.dep is None:
+                return None
+            skey, sd = entry.dep
+            if view.services.get(skey) is not sd or not view.exposed(skey[0]) or not view.synced:
+                return None
+            if len(view.memo) >= MEMO_LIMIT:
+                view.memo.clear()
+            view.memo[key] = entry
+            return entry
+        return None
+
     def _entry(self, q: _Query, ans: Answer) -> Entry:
         lower = tuple(l.lower() for l in q.raw_labels)
         flags = QR | AA | ans.rcode
         variants = rotations(ans.answer) if len(ans.answer) > 1 else [ans.answer]
         bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in variants]
-        return Entry(flags, bodies, ans.cacheable)
+        return Entry(flags, bodies, ans.cacheable, ans.dep)
 
     def _nx_memoisable(self, labels: Labels, view: ZoneView) -> bool:
         """An NXDOMAIN that is the same for every client: no fallthrough, no autopath may apply."""

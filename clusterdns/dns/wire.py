@@ -43,10 +43,10 @@ class Body:
 
 class Entry:
     """A complete prebuilt answer: header flags (QR, AA, TC, RA..., rcode) and rotations of the body."""
-    __slots__ = ("flags", "bodies", "cacheable")
+    __slots__ = ("flags", "bodies", "cacheable", "dep")
 
-    def __init__(self, flags: int, bodies: Sequence[Body], cacheable: bool = True) -> None:
-        self.flags, self.bodies, self.cacheable = flags, tuple(bodies), cacheable
+    def __init__(self, flags: int, bodies: Sequence[Body], cacheable: bool = True, dep=None) -> None:
+        self.flags, self.bodies, self.cacheable, self.dep = flags, tuple(bodies), cacheable, dep
 
 
 class _Buffer(DNSBuffer):

@@ -37,11 +37,11 @@ def label(parts: Labels) -> DNSLabel:
 
 class Answer:
     """One zone answer: rcode and sections (dnslib records)."""
-    __slots__ = ("rcode", "answer", "authority", "additional", "cacheable", "chase", "zone")
+    __slots__ = ("rcode", "answer", "authority", "additional", "cacheable", "chase", "zone", "dep")
 
     def __init__(self, rcode: int, answer: list | None = None, authority: list | None = None,
                  additional: list | None = None, cacheable: bool = True,
-                 chase: Labels | None = None, zone: Labels = ()) -> None:
+                 chase: Labels | None = None, zone: Labels = (), dep=None) -> None:
         self.rcode = rcode
         self.answer = answer if answer is not None else []
         self.authority = authority if authority is not None else []
@@ -49,18 +49,22 @@ class Answer:
         self.cacheable = cacheable
         self.chase = chase          # ExternalName target outside the zones, to ask upstream
         self.zone = zone
+        # (service key, ServiceData) when the records come from that Service alone: the answer
+        # stays true in a later state version as long as that ServiceData is still current
+        self.dep = dep
 
 
 class _Res:
     """A name that exists: records of the asked type (maybe none), whether it holds any data."""
-    __slots__ = ("answer", "additional", "has_data", "cname", "cacheable")
+    __slots__ = ("answer", "additional", "has_data", "cname", "cacheable", "sd")
 
-    def __init__(self, answer=None, additional=None, has_data=True, cname=None, cacheable=True):
+    def __init__(self, answer=None, additional=None, has_data=True, cname=None, cacheable=True, sd=None):
         self.answer = answer or []
         self.additional = additional or []
         self.has_data = has_data
         self.cname = cname
         self.cacheable = cacheable
+        self.sd = sd
 
 
 _ENT = _Res(has_data=False)
@@ -146,6 +150,8 @@ class ZoneView:
         self.memo: dict[bytes, object] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None
+        # earlier versions' prebuilt answers, newest first: the engine takes over those still true
+        self.carried: tuple[dict, ...] = ((prev.memo,) + prev.carried[:2]) if prev is not None else ()
         gc_was = gc.isenabled()
         gc.disable()   # compiling allocates many small objects: collections would only rescan the state
         try:
@@ -369,8 +375,11 @@ class ZoneView:
             answer = [RR(label(q), 13, ttl=self.ttl, rdata=HINFO_RDATA)] if res.has_data else []
             additional = []
         authority = [] if answer else [self.soa(zone)]
+        dep = None
+        if res.sd is not None and answer and (res.cname is None or qtype in (CNAME, ANY)):
+            dep = (res.sd.svc.key, res.sd)
         return Answer(NOERROR, answer, authority, additional, cacheable=res.cacheable and chase is None,
-                      chase=chase, zone=zone)
+                      chase=chase, zone=zone, dep=dep)
 
     def _chase(self, q: Labels, target: Labels, qtype: int, cname: RR) -> tuple[list, list, Labels | None]:
         """Follow an ExternalName CNAME inside the zones (limit 10, loops dropped)."""
@@ -403,15 +412,19 @@ class ZoneView:
             if sd is None:
                 return None
             if kind == "service":
-                return self._service_node(sd, owner, zone, qtype)
-            if sd.kind == "external":
+                res = self._service_node(sd, owner, zone, qtype)
+            elif sd.kind == "external":
                 return None
-            if kind == "endpoint":
+            elif kind == "endpoint":
                 ips = sd.by_name().get(p.endpoint)
                 if not ips:
                     return None
-                return _Res(self._addr(owner, ips, qtype))
-            return self._port_node(sd, owner, zone, qtype, p.port, p.proto)
+                res = _Res(self._addr(owner, ips, qtype))
+            else:
+                res = self._port_node(sd, owner, zone, qtype, p.port, p.proto)
+            if res is not None:
+                res.sd = sd
+            return res
         if kind == "apex":
             if qtype == SOA:
                 return _Res([self.soa(zone)])

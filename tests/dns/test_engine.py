@@ -397,6 +397,43 @@ def test_a_new_service_resolves_at_once(h, demo_records):
     assert h.lines(h.ask(engine, "new.testapp.svc.cluster.local").answer) == a(f"new.testapp.{CL}", "172.20.99.9")
 
 
+def test_prebuilt_answers_survive_unrelated_changes(h, demo_records):
+    from dataclasses import replace as dc_replace
+
+    from clusterdns.sources.manifest import publish
+    from clusterdns.state import StateStore
+    store = StateStore()
+    publish(store, demo_records)
+    engine = h.make_engine(store.current, namespace_labels="kubernetes.io/metadata.name")
+    kept = [h.query_wire(name, qtype) for name, qtype in (
+        ("testapp-svc.testapp.svc.cluster.local", "A"), ("web-0.testapp-headless.testapp.svc.cluster.local", "A"),
+        ("_http._tcp.multiport.testapp.svc.cluster.local", "SRV"), ("external-db.testapp.svc.cluster.local", "CNAME"))]
+    nodata = h.query_wire("testapp-svc.testapp.svc.cluster.local", "AAAA")
+    kube_dns = h.query_wire("kube-dns.kube-system.svc.cluster.local", "A")
+    before = [h.ask_wire(engine, w) for w in kept]
+    h.ask_wire(engine, nodata)
+    h.ask_wire(engine, kube_dns)
+    # another Service changes: positive answers of untouched Services stay prebuilt
+    svc = store.current.services[("testapp", "testapp2-svc")]
+    store.upsert("Service", dc_replace(svc, cluster_ips=("172.20.41.99",)))
+    engine.update(store.current)
+    assert [engine.fast(w, False) for w in kept] == before
+    # NODATA carries the SOA serial, which moved on: built again
+    assert engine.fast(nodata, False) is None
+    # the Service itself changes: built again, with the new address
+    dns_svc = store.current.services[("kube-system", "kube-dns")]
+    store.upsert("Service", dc_replace(dns_svc, cluster_ips=("172.20.0.11",)))
+    engine.update(store.current)
+    assert engine.fast(kube_dns, False) is None
+    assert h.lines(h.ask(engine, "kube-dns.kube-system.svc.cluster.local").answer) == a(
+        f"kube-dns.kube-system.{CL}", "172.20.0.11")
+    # its namespace stops matching --namespace-labels: the unchanged Service is no longer served
+    store.upsert("Namespace", Namespace("testapp", ()))
+    engine.update(store.current)
+    assert engine.fast(kept[0], False) is None
+    assert h.ask(engine, "testapp-svc.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+
+
 # --- wire ----------------------------------------------------------------------------------
 
 def resolve(engine, wire: bytes, tcp: bool = False, client: str = "10.161.37.5"):
