@@ -242,6 +242,10 @@ class Engine:
         return self._render_entry(q, entry)
 
     @staticmethod
+    def _view_serial(ans: Answer) -> int:
+        return ans.authority[0].rdata.times[0]
+
+    @staticmethod
     def _carry(view: ZoneView, key: bytes) -> Entry | None:
         """A prebuilt answer of an earlier state version that is still true: it came from one
         Service whose data is unchanged (and still served). Taken into this version's table."""
@@ -254,6 +258,8 @@ class Engine:
             skey, sd = entry.dep
             if view.services.get(skey) is not sd or not view.exposed(skey[0]) or not view.synced:
                 return None
+            if entry.serial is not None and entry.serial != view.serial:
+                entry = entry.with_serial(view.serial)
             if len(view.memo) >= MEMO_LIMIT:
                 view.memo.clear()
             view.memo[key] = entry
@@ -265,7 +271,8 @@ class Engine:
         flags = QR | AA | ans.rcode
         variants = rotations(ans.answer) if len(ans.answer) > 1 else [ans.answer]
         bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in variants]
-        return Entry(flags, bodies, ans.cacheable, ans.dep)
+        negative = not ans.answer and len(ans.authority) == 1 and not ans.additional
+        return Entry(flags, bodies, ans.cacheable, ans.dep, self._view_serial(ans) if negative else None)
 
     def _nx_memoisable(self, labels: Labels, view: ZoneView) -> bool:
         """An NXDOMAIN that is the same for every client: no fallthrough, no autopath may apply."""

@@ -43,10 +43,18 @@ class Body:
 
 class Entry:
     """A complete prebuilt answer: header flags (QR, AA, TC, RA..., rcode) and rotations of the body."""
-    __slots__ = ("flags", "bodies", "cacheable", "dep")
+    __slots__ = ("flags", "bodies", "cacheable", "dep", "serial")
 
-    def __init__(self, flags: int, bodies: Sequence[Body], cacheable: bool = True, dep=None) -> None:
+    def __init__(self, flags: int, bodies: Sequence[Body], cacheable: bool = True, dep=None,
+                 serial: int | None = None) -> None:
         self.flags, self.bodies, self.cacheable, self.dep = flags, tuple(bodies), cacheable, dep
+        self.serial = serial    # the SOA serial of a negative answer (its SOA is the last record)
+
+    def with_serial(self, serial: int) -> "Entry":
+        """The same negative answer with another SOA serial (patched in place of the old one)."""
+        patch = struct.pack(">I", serial)
+        bodies = [Body(b.data[:-20] + patch + b.data[-16:], b.ends, b.an, b.ns, b.ar) for b in self.bodies]
+        return Entry(self.flags, bodies, self.cacheable, self.dep, serial)
 
 
 class _Buffer(DNSBuffer):

@@ -376,7 +376,7 @@ class ZoneView:
             additional = []
         authority = [] if answer else [self.soa(zone)]
         dep = None
-        if res.sd is not None and answer and (res.cname is None or qtype in (CNAME, ANY)):
+        if res.sd is not None and (res.cname is None or qtype not in (A, AAAA)):
             dep = (res.sd.svc.key, res.sd)
         return Answer(NOERROR, answer, authority, additional, cacheable=res.cacheable and chase is None,
                       chase=chase, zone=zone, dep=dep)

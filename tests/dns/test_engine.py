@@ -418,8 +418,10 @@ def test_prebuilt_answers_survive_unrelated_changes(h, demo_records):
     store.upsert("Service", dc_replace(svc, cluster_ips=("172.20.41.99",)))
     engine.update(store.current)
     assert [engine.fast(w, False) for w in kept] == before
-    # NODATA carries the SOA serial, which moved on: built again
-    assert engine.fast(nodata, False) is None
+    # NODATA of an unchanged Service too, with the new serial in its SOA
+    m = dns.message.from_wire(engine.fast(nodata, False))
+    assert m.rcode() == dns.rcode.NOERROR and not m.answer
+    assert m.authority[0][0].serial == store.current.serial != SERIAL
     # the Service itself changes: built again, with the new address
     dns_svc = store.current.services[("kube-system", "kube-dns")]
     store.upsert("Service", dc_replace(dns_svc, cluster_ips=("172.20.0.11",)))
