@@ -384,3 +384,20 @@ async def test_nftables_periodic_syncs_are_partial():
         assert rig.proxier.syncs >= 2
         texts = [s for a, s in rig.runner.calls if a[:2] == ("nft", "-f")]
         assert len(texts) == 1     # nothing changed: nothing more to apply
+
+
+async def test_network_programming_and_no_local_endpoint_metrics():
+    rig = Rig(cfg_of("--node-name", "node-z"))   # no endpoint is local to node-z
+    async with rig:
+        await rig.synced()
+        assert metric("kubeproxy_sync_proxy_rules_no_local_endpoints_total", traffic_policy="external") == 1
+        count = metric("kubeproxy_network_programming_duration_seconds_count")
+        sl = rig.store.current.slices[("kube-system", "kube-dns-7fz8q")]
+        changed_at = px.time.time() - 2.0
+        rig.store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=sl.endpoints[:1],
+                                                              trigger_time=changed_at))
+        await rig.synced(rig.store.current.version)
+        assert metric("kubeproxy_network_programming_duration_seconds_count") == count + 1
+        total = metric("kubeproxy_network_programming_duration_seconds_sum")
+        assert total >= 2.0
+        assert metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds") >= changed_at
