@@ -22,9 +22,9 @@ from ..config import Config
 from ..state import ClusterState
 from . import names, resolvconf, xfr
 from .names import Labels
-from .wire import (ANY, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE,
-                   QR, AA, RD, REFUSED, SERVFAIL, TC, Body, Entry, opt_record, pack_body, qname_labels,
-                   question_end, render, rotations, udp_limit)
+from .wire import (AA, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE, QR,
+                   REFUSED, SERVFAIL, TC, Entry, opt_record, pack_body, qname_labels, question_end, render,
+                   rotations, udp_limit)
 from .zone import Answer, ZoneView
 from .zone import label as zone_label
 

@@ -406,7 +406,6 @@ class ZoneView:
         p = names.parse(q[:len(q) - len(zone)])
         kind = p.kind
         owner = label(q)
-        ttl = self.ttl
         if kind in ("service", "endpoint", "port"):
             sd = self.service(p.namespace, p.service)
             if sd is None:

@@ -21,7 +21,7 @@ import dns.rrset
 import pytest
 from dnslib import QTYPE, RR, DNSRecord
 
-from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Pod, Service, ServicePort
+from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort
 
 SERIAL = 1_700_000_001   # tests/dns/conftest.py builds states at this serial
 
@@ -274,10 +274,6 @@ def test_options(demo_state, h, options, cases):
     engine = h.make_engine(demo_state, **options)
     for qname, qtype, rcode, answer, authority, additional in cases:
         check(h.ask(engine, qname, qtype), h, rcode, answer, authority, additional)
-
-
-def small_state(h, *records, synced=True):
-    return h.make_state(list(records))
 
 
 def test_ignore_empty_service(h):
