@@ -12,6 +12,7 @@ import gc
 import ipaddress
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Iterator, NamedTuple
 
 from ..config import Config
@@ -219,8 +220,9 @@ def _in_family(ips: tuple[str, ...], family: int) -> tuple[str, ...]:
 
 def _endpoints_for(slices: tuple[EndpointSlice, ...], port: ServicePort, address_type: str,
                    node_name: str) -> tuple[EndpointInfo, ...]:
-    found: dict[str, EndpointInfo] = {}
     new = tuple.__new__   # EndpointInfo without the keyword-handling wrapper: this loop is hot
+    found: list[EndpointInfo] = []
+    fmt = "[{}]:{}" if address_type == IPV6 else "{}:{}"
     for sl in slices:
         if sl.address_type != address_type:
             continue
@@ -231,21 +233,28 @@ def _endpoints_for(slices: tuple[EndpointSlice, ...], port: ServicePort, address
                 break
         if not number:
             continue
-        v6 = address_type == IPV6
-        for ep in sl.endpoints:
-            if not ep.addresses:
-                continue
-            ip = ep.addresses[0]
-            key = f"[{ip}]:{number}" if v6 else f"{ip}:{number}"
-            info = new(EndpointInfo, (
-                ip, number, key, ep.ready, ep.serving, ep.terminating,
-                bool(node_name) and ep.node_name == node_name, ep.zone, ep.hint_zones,
-                ep.node_name, ep.pod_namespace, ep.pod_name))
-            old = found.get(key)
-            # the same address in two slices (a pod moving between them): prefer a ready copy
-            if old is None or (info.ready and not old.ready):
-                found[key] = info
-    return tuple([found[k] for k in sorted(found)])
+        found += [new(EndpointInfo, (
+            ep.addresses[0], number, fmt.format(ep.addresses[0], number), ep.ready, ep.serving, ep.terminating,
+            bool(node_name) and ep.node_name == node_name, ep.zone, ep.hint_zones,
+            ep.node_name, ep.pod_namespace, ep.pod_name)) for ep in sl.endpoints if ep.addresses]
+    found.sort(key=_ENDPOINT_KEY)
+    for i in range(1, len(found)):
+        if found[i].endpoint == found[i - 1].endpoint:
+            return _dedup(found)
+    return tuple(found)
+
+
+_ENDPOINT_KEY = itemgetter(2)
+
+
+def _dedup(found: list[EndpointInfo]) -> tuple[EndpointInfo, ...]:
+    """The same address in two slices (a pod moving between them) counts once; a ready copy wins."""
+    out: dict[str, EndpointInfo] = {}
+    for info in found:
+        old = out.get(info.endpoint)
+        if old is None or (info.ready and not old.ready):
+            out[info.endpoint] = info
+    return tuple(out.values())
 
 
 def _can_use_topology(svc: ServicePortInfo, eps: tuple[EndpointInfo, ...], zone: str) -> bool:

@@ -132,3 +132,13 @@ def test_demo_cluster():
     lb, cat = v4["testapp/testapp-lb:http"]
     assert lb.external_local and lb.affinity_timeout == 10800 and lb.lb_source_ranges == ("198.51.100.0/24",)
     assert [e.ip for e in cat.local] == ["10.161.34.10"]     # node-a's ready endpoint
+
+
+def test_address_in_two_slices_counts_once_ready_copy_wins():
+    port = (EndpointPort("p80", "TCP", 80),)
+    slices = [EndpointSlice("ns1", "a", "svc1", "IPv4", (Endpoint(("10.0.0.1",), ready=False, serving=False),
+                                                         Endpoint(("10.0.0.2",))), port),
+              EndpointSlice("ns1", "b", "svc1", "IPv4", (Endpoint(("10.0.0.1",), node_name="node-a"),), port)]
+    [(_, cat)] = service_ports(_state(slices=slices), CFG, 4)
+    assert [(e.endpoint, e.ready, e.local) for e in cat.all] == [("10.0.0.1:80", True, True),
+                                                                 ("10.0.0.2:80", True, False)]
