@@ -3,7 +3,7 @@
 Only forwarded answers come here: names in the served zones are answered from
 the current state and never cached (a new Service resolves at once).
 
-An entry keeps the upstream reply as wire bytes and the duration it may be
+An entry keeps the upstream reply (parsed once) and the duration it may be
 served: the smallest TTL of the reply (the SOA's for a negative answer),
 clamped to [min_ttl, max_ttl]. On a hit every record's TTL is rewritten to
 what is left, so TTLs count down. Expired entries stay (within the size
@@ -23,12 +23,13 @@ from . import metrics
 
 NOERROR, NXDOMAIN = 0, 3
 DEFAULT_STALE = 3600.0   # CoreDNS serve_stale's default duration
+_HITS = {kind: metrics.cache_hits.labels(kind) for kind in ("success", "denial")}   # label lookups cost
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    wire: bytes          # the upstream reply as received
-    stored: float        # clock time it was stored
+    record: dnslib.DNSRecord   # parsed once when stored, never mutated: hits copy records from it
+    stored: float              # clock time it was stored
     duration: float      # seconds it is fresh (clamped TTL)
     negative: bool
 
@@ -61,6 +62,11 @@ def _ttl_of(reply: dnslib.DNSRecord) -> tuple[int, bool] | None:
         if rr.rtype == dnslib.QTYPE.SOA:
             return min(rr.ttl, rr.rdata.times[-1]), True
     return None
+
+
+def _with_ttl(rrs: list[dnslib.RR], ttl: int) -> list[dnslib.RR]:
+    opt = dnslib.QTYPE.OPT
+    return [rr if rr.rtype == opt else dnslib.RR(rr.rname, rr.rtype, rr.rclass, ttl, rr.rdata) for rr in rrs]
 
 
 class Cache:
@@ -99,7 +105,8 @@ class Cache:
             return False
         ttl, negative = found
         duration = float(max(self.min_ttl, min(self.max_ttl, ttl)))
-        self._store[key] = Entry(bytes(wire), self.clock(), duration, negative)
+        # Parsed again from the wire so the caller may keep using `reply`.
+        self._store[key] = Entry(dnslib.DNSRecord.parse(bytes(wire)), self.clock(), duration, negative)
         return True
 
     def get(self, key: Key | None, request: dnslib.DNSRecord, stale: bool = False) -> dnslib.DNSRecord | None:
@@ -123,14 +130,14 @@ class Cache:
         if stale:
             metrics.cache_served_stale.inc()
         else:
-            metrics.cache_hits.labels(kind).inc()
-        reply = dnslib.DNSRecord.parse(entry.wire)
+            _HITS[kind].inc()
         ttl = max(0, int(left)) if left > 0 else 0
-        for rr in reply.rr + reply.auth + reply.ar:
-            if rr.rtype != dnslib.QTYPE.OPT:
-                rr.ttl = ttl
-        reply.header.id = request.header.id
-        reply.questions = list(request.questions)   # the asker's spelling
+        stored = entry.record
+        # New RR objects with the remaining TTL (cheaper than parsing the wire again).
+        reply = dnslib.DNSRecord(
+            dnslib.DNSHeader(id=request.header.id, bitmap=stored.header.bitmap),
+            questions=list(request.questions),       # the asker's spelling
+            rr=_with_ttl(stored.rr, ttl), auth=_with_ttl(stored.auth, ttl), ar=_with_ttl(stored.ar, ttl))
         return reply
 
     def clear(self) -> None:
