@@ -97,8 +97,15 @@ class ServiceData:
                 for ep in sl.endpoints:
                     if not ep.ready:
                         continue
+                    host = ep.hostname
                     for ip in ep.addresses:
-                        ready.append((names.endpoint_name(ep.hostname, ep.pod_name, ip, pod_names), ip, sl.ports))
+                        if host and len(host) < 64:
+                            name = host.lower()
+                        elif not pod_names and "." in ip:      # the common case, inlined
+                            name = ip.replace(".", "-")
+                        else:
+                            name = names.endpoint_name(host, ep.pod_name, ip, pod_names)
+                        ready.append((name, ip, sl.ports))
         self.ready = tuple(ready)
         self._by_name: dict[str, list[str]] | None = None
 
