@@ -247,13 +247,14 @@ DNS_EP = [port("dns", "UDP", UDP_PORT)]
 LOCALITY = {"pod0": "node-a", "pod1": "node-b", "pod2": "node-b", "pod3": "node-b"}
 
 # Service addresses used by the tests.
-WEB, DNS_IP, NP_SVC, LOCAL_SVC, STICKY, EMPTY, HAIRPIN = (
-    "172.30.0.10", "172.30.0.16", "172.30.0.11", "172.30.0.12", "172.30.0.13", "172.30.0.14", "172.30.0.15")
+WEB, DNS_IP, NP_SVC, LOCAL_SVC, STICKY, EMPTY, HAIRPIN, LATE = (
+    "172.30.0.10", "172.30.0.16", "172.30.0.11", "172.30.0.12", "172.30.0.13", "172.30.0.14", "172.30.0.15",
+    "172.30.0.20")
 EXTERNAL_IP, LB_IP = "192.0.2.50", "192.0.2.80"
 NP_CLUSTER, NP_LOCAL, HCNP = 30080, 30081, 30900
 
 
-def manifest(dns_pods=("pod0", "pod1", "pod2")) -> dict:
+def manifest(dns_pods=("pod0", "pod1", "pod2"), late=False) -> dict:
     ready3 = ("pod0", "pod1", "pod2", "pod3")
     items = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "t"}},
@@ -270,6 +271,7 @@ def manifest(dns_pods=("pod0", "pod1", "pod2")) -> dict:
         service("sticky", STICKY, HTTP, affinity=True),
         slice_("sticky", ("pod0", "pod1", "pod2"), HTTP_EP),
         service("empty", EMPTY, HTTP + DNS),
+        *([service("late", LATE, DNS), slice_("late", ("pod1",), DNS_EP)] if late else []),
         service("hairpin", HAIRPIN, HTTP),
         slice_("hairpin", ("pod0",), HTTP_EP),
     ]

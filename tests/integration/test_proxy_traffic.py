@@ -5,7 +5,7 @@ import time
 import pytest
 
 from harness import (
-    DNS_IP, EMPTY, EXT_IPS, EXTERNAL_IP, HCNP, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY, UDP_PORT,
+    DNS_IP, EMPTY, EXT_IPS, EXTERNAL_IP, HCNP, LATE, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY, UDP_PORT,
     WEB, manifest, sh, write_manifest,
 )
 
@@ -101,6 +101,27 @@ def test_removed_endpoint_leaves_rotation_and_conntrack(proxy, cluster):
         time.sleep(0.6)
 
 
+def test_new_service_clears_flows_created_before_its_rules(proxy, cluster):
+    """UDP sent to an address before its Service had rules got a conntrack entry
+    without DNAT; unless the proxier deletes it, that flow never reaches an endpoint."""
+    sport = 42500
+    before = cluster.connect("client", "udp", LATE, 53, 1, sport=sport, timeout=0.3)
+    assert before.verdict() == ("timeout",)
+    assert sh("conntrack", "-L", "-p", "udp", "--orig-dst", LATE, ns=cluster.node, check=False).strip()
+    write_manifest(proxy.path, manifest(late=True))
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            out = cluster.connect("client", "udp", LATE, 53, 1, sport=sport, timeout=0.3)
+            if out.names == {"pod1"}:
+                break
+        else:
+            pytest.fail(f"the old flow never reached the new endpoint: {out.verdict()}")
+    finally:
+        write_manifest(proxy.path, manifest())
+        time.sleep(0.6)
+
+
 def test_metrics_and_healthz(proxy, cluster):
     out = cluster.connect("node", "http", "127.0.0.1", 10256, 1, path="/healthz")
     assert out.answers == [["200", ""]]
@@ -113,6 +134,7 @@ def test_metrics_and_healthz(proxy, cluster):
 def test_zz_cleanup_restores_the_tables(proxy, cluster):
     """Runs last in each mode: stop, clean up, compare with the tables before the proxy."""
     proxy.stop()
+    assert proxy.proc.returncode == 0, proxy.logs()   # SIGTERM is a clean exit
     res = proxy.cleanup()
     assert res.returncode == 0, res.stderr
     assert cluster.save_rules() == proxy.rules_before
