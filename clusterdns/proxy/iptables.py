@@ -13,6 +13,7 @@ this mode, as in kube-proxy's iptables mode).
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from ..config import Config
@@ -77,7 +78,8 @@ def jump_rules(cfg: Config, family: int = 4) -> list[tuple[str, str, str]]:
     The rule spec is what `iptables -t TABLE -C CHAIN <spec>` takes.
     """
     jumps = list(_JUMPS)
-    if _kube_firewall(cfg, node_info_for_cfg(cfg, family), family):
+    # only the configuration decides whether localhost NodePorts (and KUBE-FIREWALL) exist
+    if localhost_nodeports(cfg, node_info(ClusterState(), cfg, family), family):
         jumps += list(_KUBELET_JUMPS)
     out = []
     for table, chain, extra, comment, target in jumps:
@@ -87,14 +89,6 @@ def jump_rules(cfg: Config, family: int = 4) -> list[tuple[str, str, str]]:
         parts.append(f"-j {target}")
         out.append((table, chain, " ".join(parts)))
     return out
-
-
-def node_info_for_cfg(cfg: Config, family: int) -> NodeInfo:
-    return node_info(ClusterState(), cfg, family)
-
-
-def _kube_firewall(cfg: Config, node: NodeInfo, family: int) -> bool:
-    return localhost_nodeports(cfg, node, family)
 
 
 class _Tables:
@@ -412,7 +406,6 @@ _PROBABILITY_MATCH = [""] + [f" -m statistic --mode random --probability {probab
 
 
 def _contains(cidr: str, ip: str) -> bool:
-    import ipaddress
     try:
         return ipaddress.ip_address(ip) in ipaddress.ip_network(cidr, strict=False)
     except ValueError:

@@ -15,6 +15,7 @@ a grace period and deletes them in a later one).
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -460,7 +461,6 @@ def _dispatch(rules: list[str], endpoints, ep_chains: dict[str, str], info: Serv
 
 
 def _contains(cidr: str, ip: str) -> bool:
-    import ipaddress
     try:
         return ipaddress.ip_address(ip) in ipaddress.ip_network(cidr, strict=False)
     except ValueError:

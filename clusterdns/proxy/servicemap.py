@@ -16,7 +16,7 @@ from operator import itemgetter
 from typing import Iterator, NamedTuple
 
 from ..config import Config
-from ..model import IPV4, IPV6, Endpoint, EndpointSlice, Service, ServicePort
+from ..model import IPV4, IPV6, EndpointSlice, Service, ServicePort
 from ..state import ClusterState
 from . import names
 
