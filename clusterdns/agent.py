@@ -13,7 +13,7 @@ at the version the proxier last put into the kernel (P):
   leave DNS at once (from C): DNS first, rules after.
 - Services without rules (headless, ExternalName, other proxies' Services)
   and Namespaces, Pods and Nodes follow the store directly.
-With --proxy-mode none there are no rules to wait for and DNS reads the store.
+With --proxy-mode none there are no rules to wait for: the view follows the store.
 """
 from __future__ import annotations
 
@@ -93,9 +93,11 @@ class DnsView:
     calls `applied(version)` after each successful proxier sync.
     """
 
-    def __init__(self, store: StateStore, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: StateStore, clock: Callable[[], float] = time.monotonic,
+                 follow: bool = False) -> None:
         self.store = store
         self.clock = clock
+        self.follow = follow   # no proxier (--proxy-mode none): every version counts as applied
         self._subscribers: list[Subscriber] = []
         self._history: dict[int, ClusterState] = {}
         self._deltas: list[tuple[int, frozenset, bool]] = []   # (version, service keys, full)
@@ -107,6 +109,8 @@ class DnsView:
         self.current = ClusterState()
         self._version = 0
         self._observed: dict[tuple[str, str], float] = {}   # slice key -> last trigger time observed
+        if follow:
+            self.applied_state, self.applied_version = store.current, store.current.version
         self._remember(store.current)
         # Services already in the store wait for a sync like any change.
         self._deltas.append((store.current.version, frozenset(store.current.services), True))
@@ -126,6 +130,12 @@ class DnsView:
                     del self._history[v]
 
     def _on_store(self, old: ClusterState, new: ClusterState, delta: Delta) -> None:
+        if self.follow:
+            self.applied_state, self.applied_version = new, new.version
+            self._history = {new.version: new}
+            self._recompute(set(delta.services) | (set(old.services) | set(new.services) if delta.full else set()),
+                            new, kinds=delta.kinds)
+            return
         self._remember(new)
         keys = set(delta.services)
         if delta.full and ("Service" in delta.kinds or "EndpointSlice" in delta.kinds):
@@ -287,7 +297,7 @@ class Agent:
         self.forwarder = forwarder
         self.localdns_runner = localdns_runner
         self.store = StateStore()
-        self.view = DnsView(self.store)
+        self.view = DnsView(self.store, follow=cfg.proxy_mode == "none")
         self.source = None
         self.proxier = None
         self.dns = None
@@ -313,7 +323,7 @@ class Agent:
 
     # -- building blocks
     def _dns_store(self):
-        return self.store if self.cfg.proxy_mode == "none" else self.view
+        return self.view
 
     def _make_proxier(self):
         if self.cfg.proxy_mode == "none":
@@ -521,6 +531,9 @@ class Agent:
                     await _quiet(task)
                 self._start_source()
             if changed & PROXY_FIELDS:
+                self.view.follow = new.proxy_mode == "none"
+                if self.view.follow:
+                    self.view.applied(self.store.current.version)
                 await self._stop_proxier()
                 self._start_proxier()
                 if self.proxier is not None:
@@ -534,8 +547,7 @@ class Agent:
             if changed & LOCAL_FIELDS:
                 await self._start_localdns()
             dns_changed = changed - SOURCE_FIELDS - PROXY_FIELDS - HEALTH_FIELDS
-            if dns_changed or "local_ips" in changed or (
-                    "proxy_mode" in changed and "none" in (old.proxy_mode, new.proxy_mode)):
+            if dns_changed or "local_ips" in changed:
                 await self._stop_dns()
                 await self._start_dns()
             if changed & HEALTH_FIELDS:

@@ -126,6 +126,18 @@ def test_view_built_on_a_filled_store():
     assert set(view.current.services) == {("ns", "a"), ("ns", "h")}
 
 
+def test_follow_mode_serves_every_version_at_once():
+    store = StateStore()
+    store.upsert("Service", svc("a"))
+    view = DnsView(store, follow=True)
+    assert ("ns", "a") in view.current.services
+    store.upsert("Service", svc("b", "10.96.0.6"))
+    store.upsert("EndpointSlice", eps("b", "10.0.0.4"))
+    assert view_ips(view, "b") == ("10.96.0.6",) and view_eps(view, "b") == ["10.0.0.4"]
+    store.delete("Service", ("ns", "a"))
+    assert ("ns", "a") not in view.current.services
+
+
 def test_view_states_are_immutable_snapshots():
     store = StateStore()
     view = DnsView(store)
@@ -294,8 +306,10 @@ async def test_proxy_mode_none_follows_the_store(tmp_path):
     manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
     agent, port = await started(agent_cfg(tmp_path, "--proxy-mode", "none"), SlowKernel())
     try:
-        assert agent.proxier is None and agent.dns.store is agent.store
+        assert agent.proxier is None and agent.view.follow
         assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", [])})
+        assert await until(lambda: _answers(port, B_NAME, "10.96.0.6"))
     finally:
         await agent.stop()
 

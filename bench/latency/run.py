@@ -123,7 +123,7 @@ async def rules_work(ip: str, timeout: float = 0.06) -> bool:
     return True
 
 
-async def measure_one(api, i: int, gap: float) -> dict:
+async def measure_one(api, i: int, gap: float, rules: bool = True) -> dict:
     (svc, sl), name, ip = new_objects(i)
     # The EndpointSlice first (untimed), then the timed change: creating the Service.
     # Created together, a sync may catch the Service before its slice and rightly
@@ -150,7 +150,10 @@ async def measure_one(api, i: int, gap: float) -> dict:
             await asyncio.sleep(0.005)
         out["rules"] = time.monotonic() - t0
 
-    await asyncio.wait_for(asyncio.gather(poll_dns(), poll_rules()), 30)
+    polls = [poll_dns()] + ([poll_rules()] if rules else [])
+    await asyncio.wait_for(asyncio.gather(*polls), 30)
+    if not rules:   # --mode none: DNS follows the source alone
+        out["rules"], out["rules_at_dns"] = out["dns"], True
     return out
 
 
@@ -191,7 +194,7 @@ def inner(args) -> dict:
         time.sleep(args.gap)
         results = []
         for i in range(args.changes):
-            results.append(asyncio.run(measure_one(api, i, args.gap)))
+            results.append(asyncio.run(measure_one(api, i, args.gap, args.mode != "none")))
             time.sleep(args.gap)
         metrics = scrape(("kubeproxy_network_programming_duration_seconds",
                           "coredns_kubernetes_dns_programming_duration_seconds",
@@ -219,7 +222,8 @@ def main() -> int:
     p.add_argument("--services", type=int, action="append", help="cluster sizes (default 1000 and 10000)")
     p.add_argument("--changes", type=int, default=30)
     p.add_argument("--gap", type=float, default=1.3, help="seconds between changes (> min sync period)")
-    p.add_argument("--mode", choices=("iptables", "nftables"), default="iptables")
+    p.add_argument("--mode", choices=("iptables", "nftables", "none"), default="iptables",
+                   help="proxier mode; none measures the DNS half alone")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.inner:
@@ -232,7 +236,7 @@ def main() -> int:
     rows = []
     for n in args.services or [1000, 10000]:
         ns = f"cdbench-{os.getpid()}-{n}"
-        sh("ip", "netns", "add", ns)
+        subprocess.run(["ip", "netns", "add", ns], check=True)
         try:
             out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
                                   "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
