@@ -449,3 +449,13 @@ def test_sizes_and_speed_10k():
     assert "svc-77/tcp/http__10.0.3.8/8080" not in str(inc.state.chains.keys())
     # loose bounds for a shared CI machine; the floors (and measured figures) are in the report
     assert full_time < 10 and inc_time < 0.5, (full_time, inc_time)
+
+
+def test_rules_command_prints_nft_script(capsys):
+    from clusterdns.cli import main
+    rc = main(["rules", "--mode", "nftables", "--manifest", DEMO_MANIFEST, "--node-name", "node-a",
+               "--node-ip", "192.168.49.2", "--cluster-cidr", "10.161.0.0/16", "--service-cidr", "172.20.0.0/16"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    cfg = replace(DEMO_CFG, cluster_cidrs=("10.161.0.0/16",), service_cidrs=("172.20.0.0/16",))
+    assert out == nftables.render(demo_state(), cfg, 4).text
