@@ -871,3 +871,15 @@ def test_fast_path_cost(h):
         out.append(min(timeit.repeat(lambda: engine.fast(wire, False), number=n, repeat=3)) / n * 1e6)
     print(f"\nfast() per hit: {out[0]:.2f} us without EDNS, {out[1]:.2f} us with EDNS")
     assert max(out) < 100
+
+
+def test_interface_the_server_codes_against():
+    import inspect
+
+    from clusterdns.dns import Engine, Forwarder
+    assert list(inspect.signature(Engine.__init__).parameters) == ["self", "cfg", "forwarder", "server_addresses"]
+    assert list(inspect.signature(Engine.update).parameters) == ["self", "state"]
+    assert list(inspect.signature(Engine.fast).parameters) == ["self", "data", "tcp"]
+    assert list(inspect.signature(Engine.resolve).parameters) == ["self", "data", "client_ip", "tcp"]
+    assert inspect.iscoroutinefunction(Engine.resolve) and inspect.iscoroutinefunction(Forwarder.query)
+    assert isinstance(Engine.synced, property)
