@@ -63,10 +63,15 @@ def ask(engine: Engine, name: str, qtype: str = "A", client_ip: str = "10.161.37
     return dns.message.from_wire(reply)
 
 
+# Captured at import: other folders' conftest modules are also named "conftest"
+# (tests/ is not a package) and replace this one in sys.modules later.
+_SELF = sys.modules[__name__]
+
+
 @pytest.fixture(scope="session")
 def h():
     """These helpers, for test modules (tests/ is not a package)."""
-    return sys.modules[__name__]
+    return _SELF
 
 
 def lines(section) -> list[str]:
