@@ -401,3 +401,21 @@ async def _ttl(agent, name, want):
 
 async def _value(v):
     return v
+
+
+async def test_demo_mode_banner_and_printing_proxier(capsys):
+    cfg = load(["agent", "--listen", "127.0.0.1:0", "--no-upstream", "--health-listen", "none",
+                "--metrics-listen", "none"], env={})
+    assert cfg.demo and not cfg.applying
+    agent = Agent(cfg)
+    await agent.start()
+    try:
+        port = agent.dns.bound[0][1]
+        banner = agent.banner()
+        assert f"dig @127.0.0.1 -p {port} testapp-svc.testapp.svc.cluster.local" in banner
+        assert "printed, not applied" in banner
+        assert await until(lambda: _answers(port, "testapp-svc.testapp.svc.cluster.local.", "172.20.36.232"))
+        assert agent.proxier.syncs >= 1
+    finally:
+        await agent.stop()
+    assert "-A KUBE-SERVICES" in capsys.readouterr().out   # the rules went to stdout

@@ -148,3 +148,33 @@ def test_text_table_alignment_and_colour():
     plain = trace.format_text(data)
     rows = [line for line in plain.splitlines() if line.startswith("  1  ")]
     assert len(rows) == 2 and rows[0].index(" A ") == rows[1].index(" AAAA")
+
+
+def test_nftables_rule_path(capsys):
+    code, out, _ = run_trace(capsys, "testapp-svc", "--from-pod", "testapp/client", "--json",
+                             "--proxy-mode", "nftables", "--cluster-cidr", "10.161.0.0/16")
+    rules = json.loads(out)["rules"]
+    assert rules["mode"] == "nftables"
+    port = rules["ports"][0]
+    base = names.nft_service_base("testapp", "testapp-svc", "tcp", "")
+    assert any("service-ips" in e and "172.20.36.232 . tcp . 8080" in e and f"service-{base}" in e
+               for e in port["entry"])
+    assert len(port["dispatch"]) == 74 and port["dispatch"][0]["probability_text"] == "1/74"
+    assert port["dispatch"][0]["endpoint"] == "10.161.33.100:8080"
+    assert any("10.161.0.0/16" in m["when"] for m in port["masquerade"])
+
+
+def test_trace_against_a_live_cluster(tmp_path, capsys):
+    """--kubeconfig: the state comes from the API server (the fake one, real protocol)."""
+    from clusterdns.sources.manifest import DEMO_MANIFEST
+    from tests.fakeapi import FakeAPIServer
+    with FakeAPIServer() as api:
+        api.load_manifest(DEMO_MANIFEST)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        code, out, err = run_trace(capsys, "testapp-svc", "--from-pod", "testapp/client",
+                                   "--kubeconfig", kubeconfig, "--pods", "verified", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["walk"]["addresses"] == ["172.20.36.232"]
+    assert data["resolver"]["client_ip"] == "10.161.37.5"
+    assert len(data["rules"]["ports"][0]["dispatch"]) == 74
