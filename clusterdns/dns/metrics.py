@@ -21,7 +21,6 @@ from ..metrics import REGISTRY
 
 # CoreDNS: prometheus.ExponentialBuckets(0.00025, 2, 16) for request durations.
 DURATION_BUCKETS = tuple(0.00025 * 2 ** i for i in range(16))
-FIRST_BUCKET = DURATION_BUCKETS[0]
 SIZE_BUCKETS = (0, 100, 200, 300, 400, 511, 1023, 2047, 4095, 8291, 16e3, 32e3, 48e3, 64e3)
 # Types CoreDNS labels by name; everything else is "other" (bounded cardinality).
 MONITORED_TYPES = {int(getattr(dnslib.QTYPE, t)): t for t in (
@@ -30,106 +29,98 @@ MONITORED_TYPES = {int(getattr(dnslib.QTYPE, t)): t for t in (
 RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED",
           6: "YXDOMAIN", 7: "YXRRSET", 8: "NXRRSET", 9: "NOTAUTH", 10: "NOTZONE"}
 RAW_LIMIT = 4096  # distinct per-query keys kept before folding
+SAMPLE = 32       # one UDP fast-path answer in SAMPLE is timed
 ZONE = "."   # the one server block: every query enters the "." chain
-
-
-def qtype_of(data: bytes) -> int:
-    """The question type read straight from the packet (no parse); -1 if unreadable."""
-    i = data.find(0, 12)
-    if i < 0 or i + 2 >= len(data):
-        return -1
-    return (data[i + 1] << 8) | data[i + 2]
 
 
 class ServerStats:
     """Counters of one listener (`server` label `dns://HOST:PORT`), updated per query.
 
-    The hot path does one dict update keyed on raw numbers read from the two
-    packets; the scrape folds those into the exported families.
+    Per query the hot path does one dict update keyed on bytes read straight
+    from the two packets (see `count`); the scrape folds those into the
+    exported families. Durations: every TCP query and every query answered
+    through resolve() is timed; of the UDP fast-path answers (a synchronous
+    call of a few microseconds) one in SAMPLE is timed and weighted SAMPLE,
+    so the histogram's count and sum are estimates for that part.
     """
 
-    __slots__ = ("server", "family", "raw", "sums", "slow", "requests", "responses",
-                 "fast", "duration_sum", "request_sizes", "response_sizes", "__weakref__")
+    __slots__ = ("server", "family", "udp", "tcp", "durations", "duration_sum", "requests", "responses",
+                 "request_sizes", "response_sizes", "__weakref__")
 
     def __init__(self, server: str, family: int) -> None:
         self.server, self.family = server, family
-        # (tcp, qtype, AA<<4|rcode or -1 when dropped, request size, reply size) -> n
-        self.raw: dict[tuple[bool, int, int, int, int], int] = {}
-        self.sums: dict[int, float] = {}                         # qtype -> seconds
-        self.slow: dict[int, list[int]] = {}                     # qtype -> counts per bucket above the first
-        # folded totals
-        self.requests: dict[tuple[bool, int], int] = {}
-        self.responses: dict[tuple[int, bool], int] = {}
-        self.fast: dict[int, int] = {}                           # qtype -> all queries (bucket counts derive from it)
+        # (qtype high byte, low byte, reply flags byte 2, byte 3, request size, reply size) -> n;
+        # the flag bytes are -1 for a dropped query. Cleared in place by fold().
+        self.udp: dict[tuple[int, int, int, int, int, int], int] = {}
+        self.tcp: dict[tuple[int, int, int, int, int, int], int] = {}
+        self.durations: dict[int, list[float]] = {}       # qtype -> weighted counts per bucket (+Inf last)
         self.duration_sum: dict[int, float] = {}
+        # folded totals
+        self.requests: dict[tuple[bool, int], int] = {}       # (tcp, qtype) -> n
+        self.responses: dict[tuple[int, bool], int] = {}      # (rcode, AA) -> n
         self.request_sizes: dict[tuple[bool, int], int] = {}
         self.response_sizes: dict[tuple[bool, int], int] = {}
 
-    def record(self, data: bytes, reply: bytes | None, tcp: bool, started: float) -> None:
-        """Count one query and its reply (None: dropped)."""
-        elapsed = perf_counter() - started
+    def count(self, table: dict, data: bytes, reply: bytes | None) -> None:
+        """Count one query without timing it (the server inlines the same steps on its UDP fast path)."""
         i = data.find(0, 12)
         try:
-            qtype = data[i + 1] << 8 | data[i + 2] if i > 0 else -1
+            if reply is not None and len(reply) > 3:
+                key = (data[i + 1], data[i + 2], reply[2], reply[3], len(data), len(reply))
+            else:
+                key = (data[i + 1], data[i + 2], -1, -1, len(data), 0)
         except IndexError:
-            qtype = -1
-        if reply is not None and len(reply) > 3:
-            key = (tcp, qtype, (reply[2] & 4) << 2 | reply[3] & 15, len(data), len(reply))
-        else:
-            key = (tcp, qtype, -1, len(data), 0)
-        raw = self.raw
-        n = raw.get(key)
+            key = (255, 255, -1, -1, len(data), 0) if reply is None else (255, 255, reply[2], reply[3], len(data), len(reply))
+        n = table.get(key)
         if n is None:
-            # A new combination: fold now and then so odd traffic (random types and
-            # sizes) cannot grow the table between scrapes, or without any scrape.
-            if len(raw) >= RAW_LIMIT:
-                self.fold()
-                raw = self.raw
-            raw[key] = 1
+            self.new_key(table, key)
         else:
-            raw[key] = n + 1
-        sums = self.sums
-        sums[qtype] = sums.get(qtype, 0.0) + elapsed
-        if elapsed >= FIRST_BUCKET:
-            self._slow(qtype, elapsed)
+            table[key] = n + 1
 
-    def _slow(self, qtype: int, elapsed: float) -> None:
+    def new_key(self, table: dict, key: tuple) -> None:
+        # Fold now and then so odd traffic (random types and sizes) cannot grow
+        # the table between scrapes, or when nobody scrapes.
+        if len(table) >= RAW_LIMIT:
+            self.fold()
+        table[key] = table.get(key, 0) + 1
+
+    def record(self, data: bytes, reply: bytes | None, tcp: bool, started: float, weight: int = 1) -> None:
+        """Count one query and its reply (None: dropped), timed from `started`."""
+        elapsed = perf_counter() - started
+        self.count(self.tcp if tcp else self.udp, data, reply)
+        i = data.find(0, 12)
+        qtype = data[i + 1] << 8 | data[i + 2] if 0 < i < len(data) - 2 else -1
+        self.observe(qtype, elapsed, weight)
+
+    def observe(self, qtype: int, elapsed: float, weight: int = 1) -> None:
         qtype = qtype if qtype in MONITORED_TYPES else -1
-        counts = self.slow.get(qtype)
+        counts = self.durations.get(qtype)
         if counts is None:
-            counts = self.slow[qtype] = [0] * (len(DURATION_BUCKETS) + 1)
+            counts = self.durations[qtype] = [0.0] * (len(DURATION_BUCKETS) + 1)
+        self.duration_sum[qtype] = self.duration_sum.get(qtype, 0.0) + elapsed * weight
         for n, bound in enumerate(DURATION_BUCKETS):
             if elapsed <= bound:
-                counts[n] += 1
+                counts[n] += weight
                 return
-        counts[-1] += 1
+        counts[-1] += weight
 
     def fold(self) -> None:
-        """Move the raw per-query counts into the totals (at scrape)."""
-        raw, self.raw = self.raw, {}
-        sums, self.sums = self.sums, {}
-        for (tcp, qtype, flags, qsize, rsize), n in raw.items():
-            qtype = qtype if qtype in MONITORED_TYPES else -1     # "other": bounded totals
-            k = (tcp, qtype)
-            self.requests[k] = self.requests.get(k, 0) + n
-            self.fast[qtype] = self.fast.get(qtype, 0) + n
-            k = (tcp, qsize)
-            self.request_sizes[k] = self.request_sizes.get(k, 0) + n
-            if flags >= 0:
-                k = (flags & 15, bool(flags & 16))
-                self.responses[k] = self.responses.get(k, 0) + n
-                k = (tcp, rsize)
-                self.response_sizes[k] = self.response_sizes.get(k, 0) + n
-        for qtype, total in sums.items():
-            qtype = qtype if qtype in MONITORED_TYPES else -1
-            self.duration_sum[qtype] = self.duration_sum.get(qtype, 0.0) + total
-
-    def duration_counts(self, qtype: int) -> list[float]:
-        """Per-bucket counts: the slow ones as measured, the rest in the first bucket."""
-        slow = self.slow.get(qtype) or [0] * (len(DURATION_BUCKETS) + 1)
-        counts = [float(n) for n in slow]
-        counts[0] += self.fast.get(qtype, 0) - sum(slow)
-        return counts
+        """Move the raw per-query counts into the totals (at scrape, or when a table is full)."""
+        for tcp, table in ((False, self.udp), (True, self.tcp)):
+            raw = dict(table)
+            table.clear()           # in place: the server holds a reference to the table
+            for (hi, lo, f2, f3, qsize, rsize), n in raw.items():
+                qtype = hi << 8 | lo
+                qtype = qtype if qtype in MONITORED_TYPES else -1     # "other": bounded totals
+                k = (tcp, qtype)
+                self.requests[k] = self.requests.get(k, 0) + n
+                k = (tcp, qsize)
+                self.request_sizes[k] = self.request_sizes.get(k, 0) + n
+                if f2 >= 0:
+                    k = (f3 & 15, bool(f2 & 4))
+                    self.responses[k] = self.responses.get(k, 0) + n
+                    k = (tcp, rsize)
+                    self.response_sizes[k] = self.response_sizes.get(k, 0) + n
 
 
 _servers: "weakref.WeakSet[ServerStats]" = weakref.WeakSet()
@@ -211,16 +202,9 @@ class DnsCollector:
                 ragg[k] = ragg.get(k, 0) + n
             for (rcode, plugin), n in sorted(ragg.items()):
                 responses.add_metric([s.server, ZONE, "", rcode, plugin], n)
-            dagg: dict[str, list[float]] = {}
-            sums: dict[str, float] = {}
-            for qtype in s.fast:
-                name = _type_name(qtype)
-                counts = dagg.setdefault(name, [0.0] * (len(DURATION_BUCKETS) + 1))
-                for k, n in enumerate(s.duration_counts(qtype)):
-                    counts[k] += n
-                sums[name] = sums.get(name, 0.0) + s.duration_sum.get(qtype, 0.0)
-            for name, counts in sorted(dagg.items()):
-                duration.add_metric([s.server, ZONE, "", name], _cumulative(counts, DURATION_BUCKETS), sums[name])
+            for qtype, counts in sorted(s.durations.items()):
+                duration.add_metric([s.server, ZONE, "", _type_name(qtype)], _cumulative(counts, DURATION_BUCKETS),
+                                    s.duration_sum.get(qtype, 0.0))
             for family, table in ((req_size, s.request_sizes), (resp_size, s.response_sizes)):
                 for tcp in (False, True):
                     sizes = {size: n for (t, size), n in list(table.items()) if t == tcp}

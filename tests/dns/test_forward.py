@@ -88,26 +88,33 @@ class FakeUpstream:
                         self.transport.sendto(out, addr)
                 loop.create_task(reply())
 
-        self._udp, _ = await loop.create_datagram_endpoint(Proto, local_addr=("127.0.0.1", port))
-        self.port = self._udp.get_extra_info("sockname")[1]
-
-        async def handle(reader, writer):
+        for _attempt in range(20):   # port 0: the UDP port may be taken for TCP; pick again
+            self._udp, _ = await loop.create_datagram_endpoint(Proto, local_addr=("127.0.0.1", port))
+            self.port = self._udp.get_extra_info("sockname")[1]
             try:
-                while True:
-                    size = struct.unpack("!H", await reader.readexactly(2))[0]
-                    data = await reader.readexactly(size)
-                    if up.delay:
-                        await asyncio.sleep(up.delay)
-                    out = up.answer(data, "tcp")
-                    if out is not None:
-                        writer.write(struct.pack("!H", len(out)) + out)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
+                self._tcp = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+                return self
+            except OSError:
+                self._udp.close()
+                if port:
+                    raise
+        raise OSError("no free port for the fake upstream")
 
-        self._tcp = await asyncio.start_server(handle, "127.0.0.1", self.port)
-        return self
+    async def _handle(self, reader, writer):
+        up = self
+        try:
+            while True:
+                size = struct.unpack("!H", await reader.readexactly(2))[0]
+                data = await reader.readexactly(size)
+                if up.delay:
+                    await asyncio.sleep(up.delay)
+                out = up.answer(data, "tcp")
+                if out is not None:
+                    writer.write(struct.pack("!H", len(out)) + out)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
 
     @property
     def address(self) -> tuple[str, int]:
