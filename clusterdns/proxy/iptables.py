@@ -354,7 +354,10 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
         rules.append(f'-A {fw_chain} -m comment --comment "other traffic to {name} will be dropped by '
                      f'{n.KUBE_PROXY_FIREWALL}"')
 
-    seps = {ep.endpoint: n.sep_chain(name, proto, ep.endpoint) for ep in cat.reachable}
+    # KUBE-SEP names: sha256 of name + protocol + endpoint (names.sep_chain, inlined: this loop is hot)
+    prefix = name + proto
+    b32 = n._b32_16
+    seps = {ep.endpoint: "KUBE-SEP-" + b32(prefix + ep.endpoint) for ep in cat.reachable}
     if uses_cluster_chain:
         chains.append(cluster_chain)
         _endpoint_rules(rules, info, cluster_chain, cat.cluster, large, seps)
@@ -362,13 +365,15 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
         chains.append(local_chain)
         _endpoint_rules(rules, info, local_chain, cat.local, large, seps)
 
+    comment = "" if large else f" -m comment --comment {_q(name)}"
+    masq = f"{comment} -s {{}} -j {n.KUBE_MARK_MASQ}"
+    dnat = f"{comment}{{}} {pp} -j DNAT --to-destination {{}}"
     for ep in cat.reachable:
         sep = seps[ep.endpoint]
         chains.append(sep)
-        head = f"-A {sep}" if large else f"-A {sep} -m comment --comment {_q(name)}"
-        rules.append(f"{head} -s {ep.ip} -j {n.KUBE_MARK_MASQ}")
+        rules.append("-A " + sep + masq.format(ep.ip))
         affinity = f" -m recent --name {sep} --set" if info.affinity_timeout else ""
-        rules.append(f"{head}{affinity} {pp} -j DNAT --to-destination {ep.endpoint}")
+        rules.append("-A " + sep + dnat.format(affinity, ep.endpoint))
 
     # the chain that internal traffic uses must exist even when only the masquerade rule is there
     nat_active.update(chains)
