@@ -18,6 +18,8 @@ COMMANDS = ("agent", "dns", "proxy", "rules", "trace")
 PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
 POD_MODES = ("disabled", "insecure", "verified")
 CONFIG_KIND = "ClusterDNSConfiguration"
+# node name, node IPs, cluster CIDRs, service CIDRs of the embedded demo cluster (clusterdns/demo/cluster.yaml)
+DEMO_NODE = ("node-a", ("192.168.49.2",), ("10.161.0.0/16",), ("172.20.0.0/16",))
 
 
 class ConfigError(ValueError):
@@ -340,4 +342,8 @@ def load(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Co
         "in-cluster" if env.get("KUBERNETES_SERVICE_HOST") else "")
     demo = not cfg.manifest and not kube
     cfg = replace(cfg, kubeconfig="" if cfg.manifest else kube, demo=demo)
+    if demo:
+        # The demo cluster's own node, so local endpoints and masquerade rules show.
+        cfg = replace(cfg, node_name=cfg.node_name or DEMO_NODE[0], node_ips=cfg.node_ips or DEMO_NODE[1],
+                      cluster_cidrs=cfg.cluster_cidrs or DEMO_NODE[2], service_cidrs=cfg.service_cidrs or DEMO_NODE[3])
     return _validate(cfg)

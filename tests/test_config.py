@@ -12,6 +12,10 @@ def test_defaults_and_demo():
     assert cfg.zones == ("cluster.local", "in-addr.arpa", "ip6.arpa")
     assert cfg.ttl == 5 and cfg.pods == "insecure"
     assert cfg.listen_addresses() == [("127.0.0.1", 5353)]
+    # The demo runs as the demo cluster's node-a, unless told otherwise.
+    assert (cfg.node_name, cfg.node_ips, cfg.cluster_cidrs) == ("node-a", ("192.168.49.2",), ("10.161.0.0/16",))
+    assert load(["rules", "--node-name", "node-b"], env={}).node_name == "node-b"
+    assert load(["rules", "--manifest", "x.yaml"], env={}).node_name == ""
 
 
 def test_flags_override_file(tmp_path):
