@@ -210,7 +210,8 @@ def _partial(family: int, objs: list[Objects]) -> NftState:
 
 def render(state: ClusterState, cfg: Config, family: int = 4, *,
            previous: NftState | None = None,
-           changed: set[tuple[str, str]] | frozenset[tuple[str, str]] | None = None) -> NftRuleSet:
+           changed: set[tuple[str, str]] | frozenset[tuple[str, str]] | None = None,
+           resync: bool = False) -> NftRuleSet:
     """The nft -f transaction for `state`.
 
     previous None: a full transaction (recreates the table). previous given:
@@ -218,13 +219,20 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
     Service or EndpointSlices changed since `previous` was rendered
     (StateStore deltas); only those are rebuilt, so a small change costs
     little however large the cluster. Without it every Service is rebuilt and
-    compared.
+    compared. resync (with previous): a full sync that keeps the table, as
+    kube-proxy's periodic full syncs: every chain is flushed and refilled,
+    every map re-filled, objects `previous` had and the state no longer needs
+    deleted; session-affinity sets keep their entries.
     """
     with gc_paused():
         base, context, node, zone = _base(state, cfg, family)
         if previous is None or previous.family != family:
             new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
             return NftRuleSet(text=full_text(new), state=new, full=True, changes=sum(new.summary().values()))
+        if resync:
+            new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+            text = resync_text(previous, new)
+            return NftRuleSet(text=text, state=new, full=True, changes=text.count("\n"))
         if changed is None or previous.context != context:
             new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
             text, count = diff_text(previous, new)
@@ -477,6 +485,52 @@ def full_text(new: NftState) -> str:
     for name, decl in new.chain_decls.items():
         out.append(f"add chain {t} {name} {decl}".rstrip())
     for name, (kind, decl) in new.sets.items():
+        out.append(f"add {kind} {t} {name} {decl}")
+    for name, rules in new.chains.items():
+        for rule in rules:
+            out.append(f"add rule {t} {name} {rule}")
+    for name, elems in new.elements.items():
+        for text in elems.values():
+            out.append(f"add element {t} {name} {{ {text} }}")
+    return "\n".join(out) + "\n"
+
+
+def resync_text(old: NftState, new: NftState) -> str:
+    """Rewrite everything in place: repairs any drift in our objects, keeps affinity entries.
+
+    Affinity sets are the only objects the kernel fills by itself (`update @set`);
+    they are re-declared (idempotent) but not flushed, unless their declaration changed.
+    """
+    fam, _, _ = _fam(new.family)
+    t = f"{fam} {n.NFT_TABLE}"
+    out = [f'add table {t} {{ comment "rules for kube-proxy" ; }}']
+    redeclared = [c for c in new.chains if c in old.chain_decls and old.chain_decls[c] != new.chain_decls[c]]
+    for name, decl in new.chain_decls.items():
+        if name not in redeclared:
+            out.append(f"add chain {t} {name} {decl}".rstrip())
+    for name in old.chains:
+        out.append(f"flush chain {t} {name}")
+    for name in new.chains:
+        if name not in old.chains:
+            out.append(f"flush chain {t} {name}")   # it may exist without our knowing (drift)
+    dynamic = {s for s, (kind, decl) in new.sets.items() if "dynamic" in decl}
+    recreated = [s for s in new.sets if s in old.sets and old.sets[s] != new.sets[s]]
+    for name, (kind, decl) in new.sets.items():
+        if name not in recreated:
+            out.append(f"add {kind} {t} {name} {decl}")
+            if name not in dynamic:
+                out.append(f"flush {kind} {t} {name}")
+    for name in old.chains:
+        if name not in new.chains:
+            out.append(f"delete chain {t} {name}")
+    for name in redeclared:
+        out.append(f"delete chain {t} {name}")
+        out.append(f"add chain {t} {name} {new.chain_decls[name]}".rstrip())
+    for name in old.sets:
+        if name not in new.sets or name in recreated:
+            out.append(f"delete {old.sets[name][0]} {t} {name}")
+    for name in recreated:
+        kind, decl = new.sets[name]
         out.append(f"add {kind} {t} {name} {decl}")
     for name, rules in new.chains.items():
         for rule in rules:

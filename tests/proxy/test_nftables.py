@@ -459,3 +459,48 @@ def test_rules_command_prints_nft_script(capsys):
     assert rc == 0
     cfg = replace(DEMO_CFG, cluster_cidrs=("10.161.0.0/16",), service_cidrs=("172.20.0.0/16",))
     assert out == nftables.render(demo_state(), cfg, 4).text
+
+
+@needs_netns
+def test_resync_repairs_drift_and_keeps_affinity(netns):
+    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+                 service_cidrs=("10.96.0.0/12",))
+    states = [state_from_records(r) for r in _mutations()]
+    first = nftables.render(states[3], cfg, 4)          # svc-5 and svc-6 have ClientIP affinity
+    assert nft(netns, first.text).returncode == 0
+    aff = next(s for s in first.state.sets if s.startswith("affinity-"))
+    # a client pinned by the kernel, and drift: a rule and a map element removed behind our back
+    svc_chain = next(c for c in first.state.chains if c.startswith("service-") and "svc-7/" in c)
+    key = next(iter(first.state.elements["service-ips"]))
+    drift = (f"add element ip kube-proxy {aff} {{ 10.0.9.9 }}\n"
+             f"flush chain ip kube-proxy {svc_chain}\n"
+             f"delete element ip kube-proxy service-ips {{ {key} }}\n")
+    r = nft(netns, drift)
+    assert r.returncode == 0, r.stderr
+    for st in (states[3], states[4]):     # the same state, then one where the affinity timeout changed
+        rs = nftables.render(st, cfg, 4, previous=first.state, resync=True)
+        r = nft(netns, rs.text)
+        assert r.returncode == 0, r.stderr[:2000]
+        got = [b for b in listing(netns) if not b.startswith("set affinity-")]
+        keep = "10.0.9.9" in subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "set", "ip", "kube-proxy",
+                                             aff], capture_output=True, text=True).stdout
+        assert nft(netns, nftables.render(st, cfg, 4).text).returncode == 0
+        want = [b for b in listing(netns) if not b.startswith("set affinity-")]
+        assert got == want
+        if st is states[3]:
+            assert keep   # the pinned client survived the full resync
+        first = nftables.render(st, cfg, 4)
+        assert nft(netns, first.text).returncode == 0
+        assert nft(netns, f"add element ip kube-proxy {aff} {{ 10.0.9.9 }}\n").returncode == 0
+
+
+def test_resync_text_shape():
+    st = kube_proxy_state()
+    full = nftables.render(st, KUBE_PROXY_CFG, 4)
+    rs = nftables.render(st, KUBE_PROXY_CFG, 4, previous=full.state, resync=True)
+    lines = rs.text.splitlines()
+    assert rs.full and "delete table ip kube-proxy" not in lines
+    assert "flush map ip kube-proxy service-ips" in lines
+    assert not any(line.startswith("flush set ip kube-proxy affinity-") for line in lines)
+    assert sorted(x for x in lines if x.startswith(("add rule", "add element"))) == \
+        sorted(x for x in full.text.splitlines() if x.startswith(("add rule", "add element")))
