@@ -20,7 +20,7 @@ import os
 import socket
 import struct
 import subprocess
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any, Callable
 
 from ..config import Config
@@ -37,6 +37,8 @@ TCP_MAX_CONNECTIONS = 1024
 TCP_MAX_INFLIGHT = 64      # unanswered queries per TCP connection
 MAX_INFLIGHT = 2000        # resolve() tasks for UDP; beyond, queries are dropped (the client retries)
 SERVFAIL = 2
+SAMPLE = metrics.SAMPLE
+PANIC_LOG_INTERVAL = 1.0   # seconds between logged tracebacks when every query fails
 
 
 def error_reply(data: bytes, rcode: int) -> bytes | None:
@@ -136,7 +138,7 @@ class _Udp(asyncio.DatagramProtocol):
         # The hot path: no task, no parse, no clock; counting is one dict update
         # (the same steps as ServerStats.count, inlined).
         n = self.n = self.n + 1
-        if n % metrics.SAMPLE:
+        if n % SAMPLE:
             try:
                 reply = self.fast(data, False)
             except Exception:
@@ -164,7 +166,7 @@ class _Udp(asyncio.DatagramProtocol):
                 reply = self.service.panic(data)
             if reply is not None:
                 self.transport.sendto(reply, addr)
-                self.record(data, reply, False, started, metrics.SAMPLE)
+                self.record(data, reply, False, started, SAMPLE)
                 return
         service = self.service
         if len(service.tasks) >= MAX_INFLIGHT:
@@ -210,6 +212,8 @@ class DnsService:
         self._stats: list[metrics.ServerStats] = []
         self._tcp_connections = 0
         self._iface_addresses: list[str] | None = None
+        self._panics = 0
+        self._panic_logged = -PANIC_LOG_INTERVAL
         store.subscribe(self._on_state)
         self.engine.update(store.current)
 
@@ -238,8 +242,14 @@ class DnsService:
     # -- queries -------------------------------------------------------
 
     def panic(self, data: bytes) -> bytes | None:
+        """Called from an except block: count, log (rate-limited), and build SERVFAIL."""
         metrics.panic()
-        log.exception("answering a query failed; replying SERVFAIL")
+        self._panics += 1
+        now = monotonic()
+        if now - self._panic_logged >= PANIC_LOG_INTERVAL:
+            log.exception("answering a query failed (%d since the last report); replying SERVFAIL",
+                          self._panics)
+            self._panic_logged, self._panics = now, 0
         return error_reply(data, SERVFAIL)
 
     async def resolve(self, data: bytes, client_ip: str, tcp: bool) -> bytes | list[bytes] | None:
