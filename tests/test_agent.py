@@ -419,3 +419,59 @@ async def test_demo_mode_banner_and_printing_proxier(capsys):
     finally:
         await agent.stop()
     assert "-A KUBE-SERVICES" in capsys.readouterr().out   # the rules went to stdout
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_signals_in_a_real_process(tmp_path):
+    """SIGHUP reloads; SIGTERM: lameduck (answering, /ready 503, /health 200), then exit 0."""
+    import signal
+    import subprocess
+    import sys
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    conf = tmp_path / "agent.yaml"
+    conf.write_text("ttl: 5\n")
+    port, hport = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterdns", "agent", "--manifest", str(tmp_path / "cluster.json"),
+         "--listen", f"127.0.0.1:{port}", "--no-upstream", "--proxy-mode", "none", "--config", str(conf),
+         "--health-listen", f"127.0.0.1:{hport}", "--metrics-listen", "none", "--lameduck", "1.5",
+         "--loop", "asyncio"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"), timeout=10)
+        conf.write_text("ttl: 9\n")
+        proc.send_signal(signal.SIGHUP)
+        assert await until(lambda: _ttl_at(port, A_NAME, 9), timeout=5)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        assert proc.poll() is None
+        status, text = await _get(hport, "/ready")
+        assert status == 503 and "lameduck" in text
+        assert (await _get(hport, "/health"))[0] == 200
+        assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert "reload: changed ttl" in err and "lameduck" in err
+
+
+async def _answers_quietly(port, name, want):
+    try:
+        return await _answers(port, name, want)
+    except Exception:
+        return False
+
+
+async def _ttl_at(port, name, want):
+    try:
+        return (await ask(port, name))[2] == want
+    except Exception:
+        return False

@@ -15,6 +15,7 @@ import sys
 from ..agent import Agent
 from ..cli import UsageError
 from ..config import Config
+from ..localdns import LocalDNSError
 
 log = logging.getLogger("clusterdns.agent")
 
@@ -23,9 +24,13 @@ async def serve(cfg: Config, argv: list[str] | None) -> int:
     agent = Agent(cfg, argv=argv)
     try:
         await agent.start()
-    except OSError as exc:
+    except OSError as exc:            # an address in use or not local
         await agent.stop()
         raise UsageError(str(exc)) from None
+    except LocalDNSError as exc:      # e.g. not allowed to create the device
+        await agent.stop()
+        log.error("local DNS addresses: %s", exc)
+        return 1
     except BaseException:
         await agent.stop()
         raise
