@@ -112,9 +112,23 @@ class Engine:
                 return None
             opt, limit = b"", (MAX_TCP if tcp else 512)
         elif counts == b"\x00\x01\x00\x00\x00\x00\x00\x01":
-            # exactly one OPT: root owner, version 0 (extended rcode 0), no options
-            if n != qend + 11 or data[qend + 2] != 41 or data[qend] or data[qend + 1] or data[qend + 5] \
-                    or data[qend + 6] or data[qend + 9] or data[qend + 10]:
+            # exactly one OPT: root owner, version 0 (extended rcode 0). Its options (a COOKIE from
+            # dig and many resolvers) are ignored as RFC 6891 says for options one does not
+            # implement: we implement none, so they are only checked to be well-formed.
+            if n < qend + 11 or data[qend + 2] != 41 or data[qend] or data[qend + 1] or data[qend + 5] \
+                    or data[qend + 6]:
+                return None
+            if n != qend + 11:
+                pos = qend + 11
+                if n != pos + (data[qend + 9] << 8 | data[qend + 10]):
+                    return None
+                while pos < n:      # option TLVs must fill the OPT's data exactly
+                    if pos + 4 > n:
+                        return None
+                    pos += 4 + (data[pos + 2] << 8 | data[pos + 3])
+                if pos != n:
+                    return None
+            elif data[qend + 9] or data[qend + 10]:
                 return None
             opt = self._opt_do if data[qend + 7] & 0x80 else self._opt
             if tcp:

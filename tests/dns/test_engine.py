@@ -459,10 +459,70 @@ def test_edns_echo_payload_and_do(engine, h):
     assert m.edns == 0 and m.payload == 1232 and not m.ednsflags & dns.flags.DO
     m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
     assert m.edns == -1
-    # an EDNS option (cookie) takes the full path, same answer
+    # an EDNS option (cookie) is ignored: same answer, no option echoed
     opt = dns.edns.GenericOption(10, b"\x01" * 8)
     m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, options=[opt])
     assert m.edns == 0 and not m.options and len(m.answer) == 1
+
+
+def strip_options(wire: bytes) -> bytes:
+    """The query with its (last-record) OPT's options removed."""
+    qend = wire.index(b"\x00", 12) + 5
+    assert wire[qend + 2] == 41
+    return wire[:qend + 9] + b"\x00\x00"
+
+
+def dig_query_bytes(*args: str) -> bytes:
+    """What dig really sends (its defaults: EDNS with a COOKIE), caught on a local socket."""
+    import socket
+    import subprocess
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(5)
+    proc = subprocess.Popen(["dig", "@127.0.0.1", "-p", str(sock.getsockname()[1]), "+time=1", "+tries=1",
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return sock.recv(4096)
+    finally:
+        proc.kill()
+        proc.wait()
+        sock.close()
+
+
+@pytest.mark.skipif(__import__("shutil").which("dig") is None, reason="dig (bind9-dnsutils) not installed")
+@pytest.mark.parametrize("args", [("testapp-svc.testapp.svc.cluster.local",),
+                                  ("+dnssec", "TestApp-Svc.testapp.svc.cluster.local", "SRV"),
+                                  ("nope.testapp.svc.cluster.local",),
+                                  ("+bufsize=512", "testapp-headless.testapp.svc.cluster.local")])
+def test_dig_default_cookie_query_takes_the_fast_path(engine, h, args):
+    wire = dig_query_bytes(*args)
+    plain = strip_options(wire)
+    assert len(wire) > len(plain)                    # dig did send an option (its COOKIE)
+    first = h.ask_wire(engine, wire)                 # resolve() answers it; fast() agrees byte for byte
+    assert first == h.ask_wire(engine, plain)        # the option changes nothing in the answer
+    assert engine.fast(wire, False) == first         # and it is answered on the fast path
+    m = dns.message.from_wire(first)
+    assert m.edns == 0 and not m.options
+
+
+@pytest.mark.parametrize("optdata", [
+    b"\x00\x0a\x00\x08" + b"\x01" * 7,                 # option longer than the OPT data
+    b"\x00\x0a\x00",                                    # a partial option header
+    b"\x00\x0a\x00\x02\x01\x02\x00\x0b",                # a second, partial option
+])
+def test_malformed_edns_options_are_not_taken_on_the_fast_path(engine, h, optdata):
+    base = h.query_wire("testapp-svc.testapp.svc.cluster.local", use_edns=0)
+    wire = base[:-2] + struct.pack(">H", len(optdata)) + optdata
+    assert engine.fast(wire, False) is None
+    reply = resolve(engine, wire)
+    assert reply is None or (reply[3] & 0xF) in (dns.rcode.NOERROR, dns.rcode.FORMERR)
+
+
+def test_two_well_formed_options_are_ignored(engine, h):
+    opts = [dns.edns.GenericOption(10, b"\x01" * 8), dns.edns.GenericOption(65001, b"")]
+    wire = h.query_wire("testapp-svc.testapp.svc.cluster.local", use_edns=0, options=opts)
+    assert engine.fast(wire, False) is not None
+    assert h.ask_wire(engine, wire) == h.ask_wire(engine, strip_options(wire))
 
 
 def test_badvers(engine, h):
