@@ -140,5 +140,21 @@ class Cache:
             rr=_with_ttl(stored.rr, ttl), auth=_with_ttl(stored.auth, ttl), ar=_with_ttl(stored.ar, ttl))
         return reply
 
+    def peek(self, key: Key | None) -> Entry | None:
+        """The stored entry (fresh or stale), not counted as a request."""
+        return None if key is None else self._store.get(key)
+
+    def fresh_hit(self, key: Key, entry: Entry) -> float:
+        """Seconds `entry` stays fresh when it is still the one stored under `key`; that is a hit
+        and counted as get() counts it. -1 otherwise (nothing counted: the caller then get()s)."""
+        if self._store.get(key) is not entry:
+            return -1.0
+        left = entry.duration - (self.clock() - entry.stored)
+        if left <= 0:
+            return -1.0
+        metrics.cache_requests.inc()
+        _HITS["denial" if entry.negative else "success"].inc()
+        return left
+
     def clear(self) -> None:
         self._store.clear()

@@ -22,9 +22,11 @@ from ..config import Config
 from ..state import ClusterState
 from . import names, resolvconf, xfr
 from .names import Labels
+from .cache import cache_key
+from .cache import _with_ttl as records_with_ttl
 from .wire import (AA, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE, QR,
-                   REFUSED, SERVFAIL, TC, Entry, opt_record, pack_body, qname_labels, question_end, render,
-                   rotations, udp_limit)
+                   REFUSED, SERVFAIL, TC, Body, Entry, opt_record, pack_body, qname_labels, question_end, render,
+                   rotations, ttl_offsets, udp_limit, with_ttl)
 from .zone import Answer, ZoneView
 from .zone import label as zone_label
 
@@ -59,6 +61,22 @@ class _Query:
         return self.data[12:self.qend] if self.qend > 0 else b""
 
 
+class _Forwarded:
+    """A forwarded answer held in the forwarder's cache, as wire bytes for the fast path: the body
+    packed against the lower-cased question, where its TTLs are, and the last TTL variant made."""
+    __slots__ = ("ckey", "centry", "flags", "body", "offsets", "ttl", "at_ttl")
+
+    def __init__(self, ckey, centry, flags: int, body: Body) -> None:
+        self.ckey, self.centry, self.flags, self.body = ckey, centry, flags, body
+        self.offsets = ttl_offsets(body)
+        self.ttl, self.at_ttl = -1, body
+
+    def at(self, ttl: int) -> Body:
+        if ttl != self.ttl:
+            self.at_ttl, self.ttl = with_ttl(self.body, self.offsets, ttl), ttl
+        return self.at_ttl
+
+
 class Engine:
     """Answers DNS queries from the current zone view."""
 
@@ -80,6 +98,10 @@ class Engine:
             except OSError:
                 pass
         self._view = ZoneView(cfg, None, None, self.selector, server_addresses)
+        # forwarded answers the forwarder's cache holds, by lower-cased qname wire + qtype + DO/CD
+        self._fcache = getattr(self.forwarder, "cache", None)
+        self._probes = getattr(self.forwarder, "_probes", None) or {}
+        self._fwd: dict[bytes, _Forwarded] = {}
 
     # --- state -------------------------------------------------------------------------
 
@@ -146,6 +168,9 @@ class Engine:
         if entry is None:
             entry = self._carry(view, key)
             if entry is None:
+                if self._fwd:
+                    return self._fast_forwarded(key + (b"\x02" if opt is self._opt_do else b"\x00"),
+                                                data, qend, opt, limit)
                 return None
         bodies = entry.bodies
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
@@ -154,6 +179,43 @@ class Engine:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
         return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
                          data[12:qend], body.data, opt))
+
+    def _fast_forwarded(self, key: bytes, data: bytes, qend: int, opt: bytes, limit: int) -> bytes | None:
+        """A forwarded answer still fresh in the cache: counted as a cache hit, TTLs counted down."""
+        if data[3] & 0x10:                   # CD: a key of its own
+            key = key[:-1] + bytes((key[-1] | 1,))
+        f = self._fwd.get(key)
+        if f is None or self._probes:
+            return None
+        left = self._fcache.fresh_hit(f.ckey, f.centry)
+        if left < 0:                         # expired or replaced: resolve() asks the cache again
+            del self._fwd[key]
+            return None
+        body = f.at(int(left))
+        if qend + len(body.data) + len(opt) > limit:
+            return render(body, f.flags, data, data[12:qend], 1, opt, limit)
+        flags = f.flags | ((data[2] << 8 | data[3]) & 0x0110)
+        return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
+                         data[12:qend], body.data, opt))
+
+    def _remember_forwarded(self, q: _Query) -> None:
+        """Keep the wire form of the answer the cache now holds for q (fresh only)."""
+        ckey = cache_key(q.record)
+        centry = self._fcache.peek(ckey)
+        if centry is None or centry.duration - (self._fcache.clock() - centry.stored) <= 0:
+            return
+        rec = centry.record
+        ar = [rr for rr in rec.ar if rr.rtype != OPT_TYPE]
+        lower = tuple(l.lower() for l in q.raw_labels)
+        body = pack_body(lower, records_with_ttl(rec.rr, 0), records_with_ttl(rec.auth, 0),
+                         records_with_ttl(ar, 0))
+        flags = (rec.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
+        key = q.data[12:q.qend - 4].lower() + q.data[q.qend - 4:q.qend - 2] + bytes(
+            ((2 if q.do else 0) | (1 if q.data[3] & 0x10 else 0),))
+        fwd = self._fwd
+        if len(fwd) >= max(1024, 2 * len(self._fcache)):
+            fwd.clear()
+        fwd[key] = _Forwarded(ckey, centry, flags, body)
 
     # --- full path -----------------------------------------------------------------------
 
@@ -235,7 +297,7 @@ class Engine:
             return self._render_entry(q, entry)
         zone = names.zone_of(q.labels, view.zones)
         if zone is None:
-            return await self._forward(q)
+            return await self._forward(q, remember=True)
         ans = view.lookup(q.labels, qtype)
         if ans.rcode == NXDOMAIN:
             if self._fall is not None and self._falls_through(q.labels):
@@ -306,14 +368,19 @@ class Engine:
 
     # --- upstream ------------------------------------------------------------------------
 
-    async def _forward(self, q: _Query) -> bytes:
-        """A name outside the zones (or falling through): the upstream's answer, our ID and question."""
+    async def _forward(self, q: _Query, remember: bool = False) -> bytes:
+        """A name outside the zones (or falling through): the upstream's answer, our ID and question.
+
+        `remember`: the name is outside every zone (no state can change its answer), so the
+        cached answer may be kept as wire bytes for the fast path."""
         if self.forwarder is None:
             return self._error(q, REFUSED)
         request = q.record
         reply = await self.forwarder.query(request, q.tcp)
         if reply is None:
             return self._error(q, SERVFAIL)
+        if remember and self._fcache is not None and not self._probes:
+            self._remember_forwarded(q)
         return self._upstream_reply(q, reply)
 
     def _upstream_reply(self, q: _Query, reply: DNSRecord, prefix: list | None = None) -> bytes:

@@ -103,6 +103,32 @@ def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[
     return Body(bytes(buf.data[start:]), ends, *counts)
 
 
+def ttl_offsets(body: Body) -> tuple[int, ...]:
+    """Offsets of every record's TTL field in `body` (owner names are labels or pointers)."""
+    data, out, pos = body.data, [], 0
+    for end in body.ends:
+        while True:
+            length = data[pos]
+            if length == 0:
+                pos += 1
+                break
+            if length & 0xC0:
+                pos += 2
+                break
+            pos += length + 1
+        out.append(pos + 4)
+        pos = end
+    return tuple(out)
+
+
+def with_ttl(body: Body, offsets: Sequence[int], ttl: int) -> Body:
+    """The same records with every TTL at `offsets` set to `ttl`."""
+    data = bytearray(body.data)
+    for off in offsets:
+        struct.pack_into(">I", data, off, ttl)
+    return Body(bytes(data), body.ends, body.an, body.ns, body.ar)
+
+
 def opt_record(udp_size: int, do: bool, ext_rcode: int = 0) -> bytes:
     """Our OPT pseudo-record: root owner, no options."""
     return struct.pack(">BHHBBHH", 0, OPT_TYPE, udp_size, ext_rcode, 0, 0x8000 if do else 0, 0)
@@ -179,5 +205,5 @@ def rotations(answer: list[RR], max_variants: int = 8) -> list[list[RR]]:
     return out
 
 
-__all__ = ["Body", "Entry", "pack_body", "render", "opt_record", "question_end", "qname_labels",
+__all__ = ["Body", "Entry", "pack_body", "ttl_offsets", "with_ttl", "render", "opt_record", "question_end", "qname_labels",
            "udp_limit", "rotations", "DNSBufferError", "QTYPE"]

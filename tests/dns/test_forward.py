@@ -360,3 +360,102 @@ def test_upstreams_from_flags_and_resolv_conf(tmp_path):
     cfg = load(["dns", "--manifest", "x", "--resolv-conf", str(tmp_path / "missing")])
     assert upstreams_from(cfg) == []
     assert Forward.from_config(load(["dns", "--manifest", "x", "--no-upstream"])) is None
+
+
+# --- the engine's fast path for answers the cache holds ---------------------------------------
+
+def engine_with(fwd: Forward):
+    from dataclasses import replace
+
+    from clusterdns.config import Config
+    from clusterdns.dns.engine import Engine
+    from clusterdns.state import ClusterState
+    engine = Engine(replace(Config()), fwd)
+    engine.update(ClusterState())
+    return engine
+
+
+def hits() -> float:
+    from clusterdns.metrics import REGISTRY
+    return sum(REGISTRY.get_sample_value("coredns_cache_hits_total", {"type": t}) or 0 for t in ("success", "denial"))
+
+
+@pytest.mark.parametrize("name,qtype,kw", [
+    ("www.example.", "A", {}),
+    ("www.example.", "AAAA", {"use_edns": 0, "want_dnssec": True}),
+    ("missing.example.", "A", {"use_edns": 0, "payload": 1232}),       # negative: SOA in authority
+    ("www.example.", "TXT", {}),                                          # NODATA
+])
+async def test_cached_forwarded_answer_on_the_fast_path_with_ttl_counted_down(upstream, name, qtype, kw):
+    now = [1000.0]
+    engine = engine_with(Forward([upstream.address], Cache(min_ttl=5, max_ttl=30, clock=lambda: now[0])))
+    wire = dns.message.make_query(name, qtype, **kw).to_wire()
+    assert engine.fast(wire, False) is None                 # never asked: resolve() forwards it
+    first = await engine.resolve(wire, "10.0.0.1", False)
+    assert len(upstream.received) == 1
+    for elapsed in (0, 10, 19.5):
+        now[0] = 1000.0 + elapsed
+        before = hits()
+        fast = engine.fast(wire, False)
+        assert fast is not None and hits() == before + 1     # a cache hit, counted
+        slow = await engine.resolve(wire, "10.0.0.1", False)   # the dnslib-level cache answers the same
+        assert fast == slow
+        m = dns.message.from_wire(fast)
+        ttls = {rr.ttl for rrset in m.answer + m.authority for rr in [rrset]}
+        assert ttls == {int(30 - elapsed)}
+    assert dns.message.from_wire(first).rcode() == m.rcode()
+    assert len(upstream.received) == 1
+    now[0] = 1031.0                                           # expired: back to resolve(), which asks again
+    assert engine.fast(wire, False) is None
+    await engine.resolve(wire, "10.0.0.1", False)
+    assert len(upstream.received) == 2 and engine.fast(wire, False) is not None
+
+
+async def test_cached_forwarded_answer_keeps_id_case_and_keys_on_do_and_cd(upstream):
+    now = [0.0]
+    engine = engine_with(Forward([upstream.address], Cache(clock=lambda: now[0])))
+    await engine.resolve(dns.message.make_query("www.example.", "A").to_wire(), "10.0.0.1", False)
+    q = dns.message.make_query("WWW.Example.", "A")
+    q.id = 4321
+    fast = engine.fast(q.to_wire(), False)
+    m = dns.message.from_wire(fast)
+    assert m.id == 4321 and m.question[0].name.to_text() == "WWW.Example."
+    assert m.flags & dns.flags.QR and m.flags & dns.flags.RD and m.answer[0][0].address == "192.0.2.1"
+    assert m.answer[0].name.to_text() == "WWW.Example."      # owner compressed onto the question
+    # DO and CD are part of the cache key: their first query goes upstream
+    for kw, flags in (({"use_edns": 0, "want_dnssec": True}, 0), ({}, dns.flags.CD)):
+        q = dns.message.make_query("www.example.", "A", **kw)
+        q.flags |= flags
+        assert engine.fast(q.to_wire(), False) is None
+        await engine.resolve(q.to_wire(), "10.0.0.1", False)
+        reply = dns.message.from_wire(engine.fast(q.to_wire(), False))
+        assert reply.flags & flags == flags and (reply.ednsflags & dns.flags.DO) == (q.ednsflags & dns.flags.DO)
+    assert len(upstream.received) == 3
+
+
+@pytest.mark.parametrize("kw,tcp,limit,full", [({}, False, 512, False), ({"use_edns": 0, "payload": 512}, False, 512, False),
+                                               ({"use_edns": 0, "payload": 1232}, False, 1232, True),
+                                               ({}, True, 65535, True)])
+async def test_cached_big_forwarded_answer_fits_the_client(upstream, kw, tcp, limit, full):
+    engine = engine_with(Forward([upstream.address], Cache(clock=lambda: 0.0)))
+    wire = dns.message.make_query("big.example.", "A", **kw).to_wire()
+    prime = dns.message.make_query("big.example.", "A").to_wire()
+    await engine.resolve(prime, "10.0.0.1", True)            # cached whole (60 records) over TCP
+    fast = engine.fast(wire, tcp)
+    assert fast == await engine.resolve(wire, "10.0.0.1", tcp) and len(fast) <= limit
+    m = dns.message.from_wire(fast)
+    n = sum(len(r) for r in m.answer)
+    assert (n == 60) == full and bool(m.flags & dns.flags.TC) == (not full) and n > 0
+
+
+async def test_uncached_answers_and_cluster_names_are_not_on_the_forwarded_fast_path():
+    up = await FakeUpstream(rcode=dns.rcode.SERVFAIL).start()
+    try:
+        engine = engine_with(Forward([up.address], Cache()))
+        wire = dns.message.make_query("www.example.", "A").to_wire()
+        for _ in range(2):
+            await engine.resolve(wire, "10.0.0.1", False)
+            assert engine.fast(wire, False) is None           # SERVFAIL is never cached
+        assert len(up.received) == 2
+    finally:
+        await up.stop()
