@@ -1,0 +1,364 @@
+"""nflink: incremental nftables transactions sent over nfnetlink must leave the kernel exactly as `nft -f` does."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from dataclasses import replace
+
+import pytest
+
+from clusterdns.config import Config
+from clusterdns.model import LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
+from clusterdns.proxy import nflink, nftables
+from clusterdns.state import state_from_records
+from clusterdns.synthetic import synthetic_records
+
+CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
+             cluster_cidrs=("10.0.0.0/8",), service_cidrs=("10.96.0.0/12",))
+T = "ip kube-proxy"
+
+
+# ---------------------------------------------------------------- which lines are ours
+
+def test_supported_forms():
+    lines = [
+        f"add chain {T} endpoint-AAAA-ns/svc/tcp/http__10.0.1.3/8080",
+        f"flush chain {T} service-X",
+        f"delete chain {T} service-X",
+        f"add rule {T} svc ip daddr 10.96.0.2 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
+        f"add rule {T} svc numgen random mod 2 vmap {{ 0 : goto ep-a , 1 : goto ep-b }}",
+        f"add rule {T} ep ip saddr 10.0.1.3 jump mark-for-masquerade",
+        f"add rule {T} ep meta l4proto tcp dnat to 10.0.1.3:8080",
+        f'add rule {T} ext ip saddr 10.0.0.0/8 goto svc comment "short-circuit pod traffic"',
+        f'add rule {T} ext fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"',
+        f"add rule {T} ext goto svc",
+        f"add rule {T} fw drop",
+        f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 : goto svc }}",
+        f'add element {T} no-endpoint-services {{ 10.96.0.2 . udp . 53 comment "ns/svc:dns" : goto reject-chain }}',
+        f'add element {T} no-endpoint-nodeports {{ tcp . 30001 comment "ns/svc:http" : drop }}',
+        f"add element {T} cluster-ips {{ 10.96.0.2 }}",
+        f"delete element {T} service-nodeports {{ sctp . 30001 }}",
+    ]
+    for line in lines:
+        assert nflink.supported(line + "\n"), line
+    assert nflink.supported("\n".join(lines))
+
+
+@pytest.mark.parametrize("line", [
+    f'add table {T} {{ comment "rules for kube-proxy" ; }}',
+    f"delete table {T}",
+    f"add chain {T} nat-output {{ type nat hook output priority -100 ; }}",
+    f'add map {T} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; }}',
+    f"flush map {T} service-ips",
+    f"add rule {T} fw ip saddr != {{ 203.0.113.0/25 }} drop",
+    f"add rule {T} c ip daddr . meta l4proto . th dport vmap @service-ips",
+    f"add rule {T} c ct state new jump x",
+    f"add rule {T} c masquerade fully-random",
+    f"add rule {T} c ip saddr 10.0.0.1/8 jump x",                      # host bits set
+    f"add rule {T} c ip saddr 10.0.0.1 ip daddr 10.0.0.2 jump x",      # nft would merge the two loads
+    f"add rule {T} c meta l4proto tcp dnat to [fd00::1]:80",            # v6 target in an ip table
+    f"add rule {T} c dnat to 10.0.0.1:80",                              # no protocol before it
+    f"add rule {T} c numgen random mod 3 vmap {{ 0 : goto a , 1 : goto b }}",
+    f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 }}",           # a map element without data
+    f"add element {T} cluster-ips {{ 10.96.0.2 : goto x }}",
+    f"add element {T} service-ips {{ 10.96.0.2 . icmp . 80 : goto x }}",
+    f"add element {T} other-set {{ 10.96.0.2 }}",
+    f"add chain ip6 kube-proxy a\nadd chain {T} b",                    # mixed families
+    "list ruleset",
+])
+def test_unsupported_forms(line):
+    assert not nflink.supported(line)
+    with pytest.raises(nflink.Unsupported):
+        nflink.apply(line, 6 if line.startswith("add chain ip6") else 4)
+
+
+def test_full_render_falls_back_but_incremental_does_not():
+    st = state_from_records(synthetic_records(5, 3, nodeport_every=2))
+    full = nftables.render(st, CFG)
+    assert not nflink.supported(full.text)
+    # every Service-owned line of the full text is one nflink encodes
+    service_lines = [ln for ln in full.text.splitlines()
+                     if re.match(r"add (rule|chain) ip kube-proxy (service|external|endpoint)-[A-Z0-9]{8}-", ln)
+                     or ln.startswith("add element")]
+    assert len(service_lines) > 40
+    assert nflink.supported("\n".join(service_lines))
+
+
+# ---------------------------------------------------------------- in the kernel
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,
+                                 reason="needs root, ip and nft")
+
+
+def _ns(tag: str):
+    name = f"cdns-nfl-{tag}-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    return name
+
+
+@pytest.fixture
+def pair():
+    names = []
+    try:
+        names.append(_ns("a"))
+        names.append(_ns("b"))
+        yield names
+    finally:
+        nflink.close_all()
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def nft(ns: str, text: str) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr + text
+
+
+def listing(ns: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", T],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def _blocks(text: str) -> dict[str, list[str]]:
+    """`nft list table` as {chain/set header: its lines}, for comparisons indifferent to creation order."""
+    out: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("\t") and not line.startswith("\t\t") and line.strip() != "}":
+            current = out.setdefault(line.strip(), [])
+        elif line.startswith("\t\t"):
+            current.append(line.strip())
+    assert out
+    return out
+
+
+def bytecode(ns: str):
+    """The kernel's objects as netlink expressions: (sets with their elements, rules in order).
+
+    Normalised only where the two sides may differ without a behavioural
+    difference: handles, anonymous map numbers, the order of hash set elements.
+    """
+    out = subprocess.run(["ip", "netns", "exec", ns, "nft", "--debug=netlink", "list", "table", T],
+                         capture_output=True, text=True, check=True).stdout
+    out = re.sub(r"__map\d+", "__map", out)
+    blocks: list[list[str]] = []
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith((" ", "\t")):
+            blocks[-1].append(line)
+        else:
+            blocks.append([re.sub(r"( \d+)+$", "", line)])
+    sets = sorted((b[0], *sorted(b[1:])) for b in blocks if "@" in b[0])
+    rules = [tuple(b) for b in blocks if "@" not in b[0]]
+    assert rules
+    return sets, rules
+
+
+def _slice(ns, name, *ips, node="node-0", port=8080, ready=True):
+    return ("EndpointSlice", EndpointSlice(ns, f"{name}-xyz", name, "IPv4",
+                                           tuple(Endpoint((ip,), ready=ready, node_name=node) for ip in ips),
+                                           (EndpointPort("http", "TCP", port),)))
+
+
+def _steps():
+    """(label, records) in order: each step is one state change a proxier would see."""
+    base = synthetic_records(6, 3, nodeport_every=3)
+    lb = ("Service", Service("web", "lb", LOAD_BALANCER, ("10.96.1.1",),
+                             ports=(ServicePort("http", "TCP", 80, 31080, 8080),),
+                             external_ips=("192.0.2.7",), lb_ips=("198.51.100.7",), external_local=True))
+    lb_eps = _slice("web", "lb", "10.1.0.1", "10.1.0.2", node="node-0")
+    recs = base + [lb, lb_eps]
+    yield "start", recs
+
+    def edit(records, key, fn):
+        out = []
+        for kind, r in records:
+            if kind == "EndpointSlice" and (r.namespace, r.service) == key:
+                r = fn(r)
+                if r is None:
+                    continue
+            out.append((kind, r))
+        return out
+
+    recs = edit(recs, ("ns-1", "svc-1"), lambda s: replace(s, endpoints=s.endpoints[1:]))
+    yield "endpoint removed", recs
+    recs = edit(recs, ("ns-1", "svc-1"), lambda s: replace(s, endpoints=s.endpoints + (
+        Endpoint(("10.9.0.1",), node_name="node-1"), Endpoint(("10.9.0.2",), node_name="node-0"))))
+    yield "endpoints added", recs
+    recs = recs + [("Service", Service("new", "api", ports=(ServicePort("http", "TCP", 443, 0, 8080),),
+                                       cluster_ips=("10.96.2.2",))),
+                   _slice("new", "api", "10.2.0.1", "10.2.0.2", "10.2.0.3")]
+    yield "service added", recs
+    recs = [(k, r) for k, r in recs if not (getattr(r, "namespace", "") == "ns-2"
+                                            and (getattr(r, "name", "") == "svc-2" or getattr(r, "service", "") == "svc-2"))]
+    yield "service deleted", recs
+    recs = edit(recs, ("new", "api"), lambda s: replace(s, endpoints=tuple(replace(e, ready=False, serving=False)
+                                                                           for e in s.endpoints)))
+    yield "no endpoints left", recs
+    recs = [(k, replace(r, ports=(replace(r.ports[0], node_port=32000),))
+             if k == "Service" and r.name == "svc-3" else r) for k, r in recs]
+    yield "nodeport changed", recs
+    recs = edit(recs, ("web", "lb"), lambda s: replace(s, endpoints=(replace(s.endpoints[0], node_name="node-1"),)
+                                                       + s.endpoints[1:]))
+    yield "eTP Local endpoint moved", recs
+    recs = edit(recs, ("web", "lb"), lambda s: replace(s, endpoints=tuple(replace(e, node_name="node-1")
+                                                                         for e in s.endpoints)))
+    yield "eTP Local without local endpoints", recs
+    recs = [(k, replace(r, type=NODE_PORT, ports=(replace(r.ports[0], node_port=31500),))
+             if k == "Service" and r.name == "svc-4" else r) for k, r in recs]
+    yield "ClusterIP becomes NodePort", recs
+    recs = edit(recs, ("new", "api"), lambda s: replace(s, endpoints=tuple(replace(e, ready=True, serving=True)
+                                                                           for e in s.endpoints)))
+    yield "endpoints back", recs
+    recs = recs + [("Service", Service("aff", "sticky", ports=(ServicePort("http", "TCP", 80, 0, 8080),),
+                                       cluster_ips=("10.96.3.3",), affinity_timeout=600)),
+                   _slice("aff", "sticky", "10.3.0.1", "10.3.0.2")]
+    yield "affinity service added", recs
+    recs = edit(recs, ("aff", "sticky"), lambda s: replace(s, endpoints=s.endpoints[:1]))
+    yield "affinity endpoint removed", recs
+    recs = recs + [("Service", Service("fw", "guarded", LOAD_BALANCER, ("10.96.4.4",),
+                                       ports=(ServicePort("http", "TCP", 80, 31600, 8080),),
+                                       lb_ips=("198.51.100.9",), lb_source_ranges=("203.0.113.0/25",))),
+                   _slice("fw", "guarded", "10.4.0.1")]
+    yield "firewalled service added", recs
+    recs = edit(recs, ("fw", "guarded"), lambda s: replace(s, endpoints=s.endpoints + (Endpoint(("10.4.0.2",)),)))
+    yield "firewalled endpoint added", recs
+
+
+def _keys(records):
+    by_key: dict = {}
+    for kind, r in records:
+        if kind == "Service":
+            by_key.setdefault((r.namespace, r.name), []).append(r)
+        elif kind == "EndpointSlice":
+            by_key.setdefault((r.namespace, r.service), []).append(r)
+    return by_key
+
+
+@needs_netns
+def test_incremental_batches_match_nft(pair):
+    a, b = pair
+    steps = list(_steps())
+    label, recs = steps[0]
+    full = nftables.render(state_from_records(recs), CFG)
+    nft(a, full.text)
+    nft(b, full.text)
+    assert listing(a) == listing(b)
+    prev, prev_keys = full.state, _keys(recs)
+    sent = []
+    for label, recs in steps[1:]:
+        keys = _keys(recs)
+        changed = {k for k in set(keys) | set(prev_keys) if keys.get(k) != prev_keys.get(k)}
+        rs = nftables.render(state_from_records(recs), CFG, previous=prev, changed=changed)
+        assert rs.text, label
+        if nflink.supported(rs.text):
+            nflink.apply(rs.text, 4, netns=a)
+            sent.append(label)
+        else:
+            nft(a, rs.text)   # what the proxier does with a form nflink does not encode
+        nft(b, rs.text)
+        assert listing(a) == listing(b), label
+        assert bytecode(a) == bytecode(b), label
+        prev, prev_keys = rs.state, keys
+    # the forms the one-endpoint and service changes need all went over netlink
+    for label in ("endpoint removed", "endpoints added", "service added", "service deleted", "no endpoints left",
+                  "nodeport changed", "eTP Local endpoint moved", "eTP Local without local endpoints",
+                  "ClusterIP becomes NodePort", "endpoints back"):
+        assert label in sent
+    # and the result is what a full render gives (which creates objects in another order)
+    nft(b, nftables.render(state_from_records(steps[-1][1]), CFG).text)
+    assert _blocks(listing(a)) == _blocks(listing(b))
+
+
+@needs_netns
+def test_diff_of_whole_states_over_netlink(pair):
+    """render(previous=...) without `changed` compares every Service: also encodable."""
+    a, b = pair
+    recs = synthetic_records(8, 4, nodeport_every=2)
+    old = nftables.render(state_from_records(recs), CFG)
+    nft(a, old.text)
+    nft(b, old.text)
+    recs2 = [(k, replace(r, endpoints=r.endpoints[::2]) if k == "EndpointSlice" else r) for k, r in recs[:-4]]
+    rs = nftables.render(state_from_records(recs2), CFG, previous=old.state)
+    assert nflink.supported(rs.text)
+    nflink.apply(rs.text, netns=a)
+    nft(b, rs.text)
+    assert listing(a) == listing(b)
+    assert bytecode(a) == bytecode(b)
+
+
+@needs_netns
+def test_failing_batch_applies_nothing(pair):
+    a, _ = pair
+    st = state_from_records(synthetic_records(3, 2))
+    nft(a, nftables.render(st, CFG).text)
+    before = listing(a)
+    text = textwrap.dedent(f"""\
+        add chain {T} endpoint-NEW
+        add rule {T} endpoint-NEW meta l4proto tcp dnat to 10.0.9.9:8080
+        add element {T} cluster-ips {{ 10.96.9.9 }}
+        delete chain {T} endpoint-MISSING
+        add element {T} cluster-ips {{ 10.96.9.10 }}
+        """)
+    assert nflink.supported(text)
+    with pytest.raises(nflink.NflinkError) as info:
+        nflink.apply(text, netns=a)
+    assert info.value.errno == errno.ENOENT
+    assert info.value.line == f"delete chain {T} endpoint-MISSING"
+    assert "line 4" in str(info.value)
+    assert listing(a) == before
+    # a chain still referenced by a map element cannot go: EBUSY, and again nothing changes
+    svc_chain = next(c for c in nftables.render(st, CFG).state.chains if c.startswith("service-"))
+    with pytest.raises(nflink.NflinkError) as info:
+        nflink.apply(f"add element {T} cluster-ips {{ 10.96.9.9 }}\nflush chain {T} {svc_chain}\n"
+                     f"delete chain {T} {svc_chain}\n", netns=a)
+    assert info.value.errno == errno.EBUSY
+    assert listing(a) == before
+    # the socket stays usable after failures
+    nflink.apply(f"add element {T} cluster-ips {{ 10.96.9.9 }}\n", netns=a)
+    assert "10.96.9.9" in listing(a)
+
+
+@needs_netns
+def test_missing_namespace_is_a_clear_error():
+    with pytest.raises(nflink.NflinkError, match="no network namespace"):
+        nflink.apply(f"add chain {T} x\n", netns=f"cdns-nfl-absent-{os.getpid()}")
+
+
+SERVER_AND_CLIENT = textwrap.dedent("""\
+    import socket, sys, threading
+    srv = socket.socket(); srv.bind(("127.0.0.1", 8080)); srv.listen()
+    def serve():
+        conn, _ = srv.accept(); conn.sendall(b"hello from the endpoint"); conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    c = socket.create_connection((sys.argv[1], 80), timeout=3)
+    print(c.recv(100).decode())
+    """)
+
+
+@needs_netns
+def test_dnat_added_over_netlink_rewrites_packets(pair):
+    a, _ = pair
+    run = lambda *argv: subprocess.run(["ip", "netns", "exec", a, *argv], check=True, capture_output=True)  # noqa: E731
+    run("ip", "link", "set", "lo", "up")
+    # a port-less bridge holds the route to the service range (the kernel here has no dummy links)
+    run("ip", "link", "add", "svcbr", "type", "bridge")
+    run("ip", "addr", "add", "10.96.255.254/12", "dev", "svcbr")
+    run("ip", "link", "set", "svcbr", "up")
+    nft(a, nftables.render(state_from_records([]), CFG).text)
+    # the Service, its chains and its endpoint all arrive through netlink
+    recs = [("Service", Service("t", "echo", ports=(ServicePort("http", "TCP", 80, 0, 8080),),
+                                cluster_ips=("10.96.7.7",))), _slice("t", "echo", "127.0.0.1")]
+    rs = nftables.render(state_from_records(recs), CFG, previous=nftables.render(state_from_records([]), CFG).state,
+                         changed={("t", "echo")})
+    assert nflink.supported(rs.text)
+    nflink.apply(rs.text, netns=a)
+    out = subprocess.run(["ip", "netns", "exec", a, "python3", "-c", SERVER_AND_CLIENT, "10.96.7.7"],
+                         capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "hello from the endpoint"
