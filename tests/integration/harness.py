@@ -31,6 +31,13 @@ NODE_IP = "192.168.49.2"
 NODE_POD_GW = "10.161.0.1"          # the node's address towards pods: what masquerade shows
 EXT_IPS = ("192.168.49.100", "192.168.49.101")
 CLUSTER_CIDR = "10.161.0.0/16"
+# IPv6: the same layout, so a dual-stack node programs both families.
+NODE_IP6 = "fd00:49::2"
+NODE_POD_GW6 = "fd00:161::1"
+EXT_IP6 = "fd00:49::100"
+CLUSTER_CIDR6 = "fd00:161::/32"
+PODS6 = {"pod0": "fd00:161:1::10", "pod1": "fd00:161:1::11", "pod2": "fd00:161:1::12",
+         "pod3": "fd00:161:1::13", "client": "fd00:161:37::5"}
 PODS = {"pod0": "10.161.1.10", "pod1": "10.161.1.11", "pod2": "10.161.1.12", "pod3": "10.161.1.13",
         "client": "10.161.37.5"}
 BACKENDS = ("pod0", "pod1", "pod2", "pod3")
@@ -108,7 +115,8 @@ class Cluster:
         # redirect instead of seeing the REJECT.
         for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.route_localnet", "1"),
                            ("net.ipv4.conf.all.rp_filter", "0"), ("net.ipv4.conf.default.rp_filter", "0"),
-                           ("net.ipv4.conf.all.send_redirects", "0"), ("net.ipv4.conf.default.send_redirects", "0")):
+                           ("net.ipv4.conf.all.send_redirects", "0"), ("net.ipv4.conf.default.send_redirects", "0"),
+                           ("net.ipv6.conf.all.forwarding", "1")):
             sh("sysctl", "-qw", f"{key}={value}", ns=node)
         ext = self.ns("ext")
         sh("ip", "link", "add", "to-ext", "netns", node, "type", "veth", "peer", "name", "eth0", "netns", ext)
@@ -117,11 +125,16 @@ class Cluster:
         for ip in EXT_IPS:
             sh("ip", "addr", "add", f"{ip}/24", "dev", "eth0", ns=ext)
         sh("ip", "link", "set", "eth0", "up", ns=ext)
+        sh("ip", "addr", "add", f"{NODE_IP6}/64", "dev", "to-ext", "nodad", ns=node)
+        sh("ip", "addr", "add", f"{EXT_IP6}/64", "dev", "eth0", "nodad", ns=ext)
         # External clients reach service addresses through the node.
         for dst in ("172.30.0.0/16", "192.0.2.0/24", CLUSTER_CIDR):
             sh("ip", "route", "add", dst, "via", NODE_IP, ns=ext)
+        for dst in ("fd00:30::/64", CLUSTER_CIDR6):
+            sh("ip", "-6", "route", "add", dst, "via", NODE_IP6, ns=ext)
         # The node needs a route for ClusterIPs before DNAT picks the real one.
         sh("ip", "route", "add", "default", "via", EXT_IPS[0], ns=node)
+        sh("ip", "-6", "route", "add", "default", "via", EXT_IP6, ns=node)
         for i, (name, ip) in enumerate(PODS.items()):
             pod, dev = self.ns(name), f"vp{i}"
             sh("ip", "link", "add", dev, "netns", node, "type", "veth", "peer", "name", "eth0", "netns", pod)
@@ -132,6 +145,12 @@ class Cluster:
             sh("ip", "link", "set", "eth0", "up", ns=pod)
             sh("ip", "route", "add", NODE_POD_GW, "dev", "eth0", ns=pod)
             sh("ip", "route", "add", "default", "via", NODE_POD_GW, "dev", "eth0", ns=pod)
+            ip6 = PODS6[name]
+            sh("ip", "addr", "add", f"{NODE_POD_GW6}/128", "dev", dev, "nodad", ns=node)
+            sh("ip", "-6", "route", "add", f"{ip6}/128", "dev", dev, ns=node)
+            sh("ip", "addr", "add", f"{ip6}/128", "dev", "eth0", "nodad", ns=pod)
+            sh("ip", "-6", "route", "add", NODE_POD_GW6, "dev", "eth0", ns=pod)
+            sh("ip", "-6", "route", "add", "default", "via", NODE_POD_GW6, "dev", "eth0", ns=pod)
         self.add_foreign_rules()
         for name in BACKENDS:
             self.procs.append(subprocess.Popen(
@@ -141,7 +160,8 @@ class Cluster:
         for name in BACKENDS:
             while True:
                 out = self.connect("node", "tcp", PODS[name], TCP_PORT, 1, timeout=0.5)
-                if out.names == {name}:
+                out6 = self.connect("node", "tcp", PODS6[name], TCP_PORT, 1, timeout=0.5)
+                if out.names == {name} and out6.names == {name}:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"backend {name} did not start: {out}")
@@ -153,6 +173,10 @@ class Cluster:
         sh("iptables-nft", "-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "9999", "-j", "ACCEPT", ns=node)
         sh("iptables-nft", "-t", "nat", "-A", "POSTROUTING", "-s", "10.99.0.0/16", "-j", "RETURN", ns=node)
         sh("iptables-nft", "-t", "mangle", "-A", "PREROUTING", "-p", "udp", "--dport", "9999", "-j", "RETURN",
+           ns=node)
+        sh("ip6tables-nft", "-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "9999", "-j", "ACCEPT", ns=node)
+        sh("ip6tables-nft", "-t", "nat", "-A", "POSTROUTING", "-s", "fd00:99::/64", "-j", "RETURN", ns=node)
+        sh("ip6tables-nft", "-t", "mangle", "-A", "PREROUTING", "-p", "udp", "--dport", "9999", "-j", "RETURN",
            ns=node)
         sh("nft", "-f", "-", ns=node, input=(
             "table inet foreign {\n chain c {\n  type filter hook input priority 10; policy accept;\n"
@@ -188,7 +212,7 @@ class Cluster:
         have no effect and iptables-save shows them either way, so they are left out."""
         ruleset = re.sub(r"\n?\tchain \S+ \{\n\t\ttype [^\n]*policy accept;\n\t\}\n", "",
                          sh("nft", "list", "ruleset", ns=self.node))
-        text = sh("iptables-nft-save", ns=self.node) + ruleset
+        text = sh("iptables-nft-save", ns=self.node) + sh("ip6tables-nft-save", ns=self.node) + ruleset
         lines = []
         for line in text.splitlines():
             if line.startswith("#"):
@@ -221,6 +245,13 @@ def service(name, ip, ports, *, type_="ClusterIP", external_ips=(), lb_ip="", ra
     return obj
 
 
+def dual_stack_service(name, ips, ports) -> dict:
+    obj = service(name, ips[0], ports)
+    obj["spec"].update({"clusterIPs": list(ips), "ipFamilies": ["IPv4", "IPv6"],
+                        "ipFamilyPolicy": "RequireDualStack"})
+    return obj
+
+
 def port(name, proto, number, node_port=0) -> dict:
     out = {"name": name, "protocol": proto, "port": number}
     if node_port:
@@ -228,13 +259,15 @@ def port(name, proto, number, node_port=0) -> dict:
     return out
 
 
-def slice_(svc, pods, ports, *, not_ready=(), nodes=None) -> dict:
+def slice_(svc, pods, ports, *, not_ready=(), nodes=None, family=4) -> dict:
     nodes = nodes or {}
+    addrs = PODS if family == 4 else PODS6
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": f"{svc}-x", "namespace": "t", "labels": {"kubernetes.io/service-name": svc}},
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [PODS[p]], "conditions": {"ready": p not in not_ready},
+        "metadata": {"name": f"{svc}-x{family}", "namespace": "t",
+                     "labels": {"kubernetes.io/service-name": svc}},
+        "addressType": f"IPv{family}",
+        "endpoints": [{"addresses": [addrs[p]], "conditions": {"ready": p not in not_ready},
                        "nodeName": nodes.get(p, "node-b"),
                        "targetRef": {"kind": "Pod", "name": p, "namespace": "t"}} for p in pods],
         "ports": ports}
@@ -251,6 +284,7 @@ WEB, DNS_IP, NP_SVC, LOCAL_SVC, STICKY, EMPTY, HAIRPIN, LATE = (
     "172.30.0.10", "172.30.0.16", "172.30.0.11", "172.30.0.12", "172.30.0.13", "172.30.0.14", "172.30.0.15",
     "172.30.0.20")
 EXTERNAL_IP, LB_IP = "192.0.2.50", "192.0.2.80"
+WEB_DS, WEB_DS6 = "172.30.0.30", "fd00:30::30"
 NP_CLUSTER, NP_LOCAL, HCNP = 30080, 30081, 30900
 
 
@@ -272,6 +306,9 @@ def manifest(dns_pods=("pod0", "pod1", "pod2"), late=False) -> dict:
         slice_("sticky", ("pod0", "pod1", "pod2"), HTTP_EP),
         service("empty", EMPTY, HTTP + DNS),
         *([service("late", LATE, DNS), slice_("late", ("pod1",), DNS_EP)] if late else []),
+        dual_stack_service("web-ds", (WEB_DS, WEB_DS6), HTTP),
+        slice_("web-ds", ready3, HTTP_EP, not_ready=("pod3",)),
+        slice_("web-ds", ready3, HTTP_EP, not_ready=("pod3",), family=6),
         service("hairpin", HAIRPIN, HTTP),
         slice_("hairpin", ("pod0",), HTTP_EP),
     ]
@@ -294,8 +331,8 @@ class Proxy:
 
     def argv(self, *extra: str) -> list[str]:
         return ["ip", "netns", "exec", self.cluster.node, PY, "-m", "clusterdns", "proxy",
-                "--manifest", self.path, "--node-ip", NODE_IP, "--node-name", "node-a",
-                "--cluster-cidr", CLUSTER_CIDR, "--proxy-mode", self.mode, *extra]
+                "--manifest", self.path, "--node-ip", NODE_IP, "--node-ip", NODE_IP6, "--node-name", "node-a",
+                "--cluster-cidr", CLUSTER_CIDR, "--cluster-cidr", CLUSTER_CIDR6, "--proxy-mode", self.mode, *extra]
 
     def start(self) -> None:
         self.log = open(self.log_path, "w")

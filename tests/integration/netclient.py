@@ -30,14 +30,14 @@ for _ in range(a.count):
                 answers.append([str(r.status), ""])
             continue
         kind = socket.SOCK_STREAM if a.proto == "tcp" else socket.SOCK_DGRAM
-        s = socket.socket(socket.AF_INET, kind)
+        s = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, kind)
         s.settimeout(a.timeout)
         if a.proto == "tcp":
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         if a.sport:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if a.bind or a.sport:
-            s.bind((a.bind or "0.0.0.0", a.sport))
+            s.bind((a.bind or ("::" if ":" in a.host else "0.0.0.0"), a.sport))
         with s:
             s.connect((a.host, a.port))
             local = s.getsockname()[0]

@@ -131,6 +131,17 @@ def test_metrics_and_healthz(proxy, cluster):
     assert "kubeproxy_sync_proxy_rules_last_timestamp_seconds" in text
 
 
+@pytest.mark.parametrize("src", ["client", "node"])
+def test_dual_stack_service_over_ipv6(proxy, cluster, src):
+    """The node has an IPv6 --node-ip too: the proxier programs the IPv6 family as well."""
+    from harness import NODE_POD_GW6, PODS6, WEB_DS, WEB_DS6
+    out6 = cluster.connect(src, "tcp", WEB_DS6, 80, 150)
+    assert_spread(out6, READY, 150)
+    assert out6.peers == ({PODS6["client"]} if src == "client" else {NODE_POD_GW6})
+    out4 = cluster.connect(src, "tcp", WEB_DS, 80, 60)
+    assert out4.names == READY and not out4.errors
+
+
 def test_zz_cleanup_restores_the_tables(proxy, cluster):
     """Runs last in each mode: stop, clean up, compare with the tables before the proxy."""
     proxy.stop()
@@ -138,3 +149,4 @@ def test_zz_cleanup_restores_the_tables(proxy, cluster):
     res = proxy.cleanup()
     assert res.returncode == 0, res.stderr
     assert cluster.save_rules() == proxy.rules_before
+
