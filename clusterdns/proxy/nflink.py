@@ -55,6 +55,11 @@ RTN_LOCAL = 2
 NFT_SET_ANONYMOUS, NFT_SET_CONSTANT, NFT_SET_MAP = 0x1, 0x2, 0x8
 NFT_DATA_VERDICT = 0xFFFFFF00
 NFT_TYPE_INTEGER = 4
+NFT_TYPE_IPADDR, NFT_TYPE_IP6ADDR = 7, 8
+NFT_SET_TIMEOUT, NFT_SET_EVAL = 0x10, 0x20
+NFT_DYNSET_OP_UPDATE = 1
+# set userdata nft writes for an address-keyed named set: key in network byte order
+_ADDR_SET_UDATA = bytes.fromhex("000402000000")
 # the set userdata nft writes for `numgen ... vmap { }`: host byte order integer keys, verdict data
 _NUMGEN_MAP_UDATA = bytes.fromhex("000401000000" "010400000000" "04080004010000000100" "060400000000")
 
@@ -161,13 +166,16 @@ class _Batch:
         self.msgs: list[_Msg] = []
         self.next_set_id = 1
         self.family: int | None = None
+        self.set_ids: dict[str, int] = {}    # named sets created in this batch: rules refer to them by id too
 
     def add(self, kind: int, flags: int, body: bytes, line: int) -> None:
         self.msgs.append(_Msg(kind, flags, body, line))
 
 
 _NAME = r"[A-Za-z0-9_./:\-]+"
-_HEAD = re.compile(rf"^(add|flush|delete) (chain|rule|element) (ip6?) {TABLE} ({_NAME})(?: (.*))?$")
+_HEAD = re.compile(rf"^(add|flush|delete) (chain|rule|element|set) (ip6?) {TABLE} ({_NAME})(?: (.*))?$")
+_AFFINITY_DECL = re.compile(r"^\{ type (ipv4_addr|ipv6_addr) ; flags dynamic,timeout ; timeout (\d+)s ; \}$")
+AFFINITY_PREFIX = "affinity-"
 _ELEMENT = re.compile(r'^\{ (?P<key>[^{}"]+?)(?: comment "(?P<comment>[^"]*)")?(?: : (?P<value>[^{}"]+?))? \}$')
 _COMMENT = re.compile(r'^(?P<rule>.*?) comment "(?P<comment>[^"]*)"$')
 
@@ -267,6 +275,13 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
                 raise Unsupported(f"match {' '.join(rest[:3])}")
             neg = rest[2] == "!="
             value = rest[3] if neg and len(rest) > 3 else rest[2]
+            if value.startswith("@" + AFFINITY_PREFIX) and not neg and rest[1] == "saddr":
+                # `ip saddr @affinity-X`: a client already pinned to this endpoint
+                exprs.append(_payload(NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, 4 if family == 4 else 16))
+                exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _str(1, value[1:]), *_set_ref(batch, value[1:], 4)))
+                i += 3
+                last_was_addr = False
+                continue
             if value.startswith(("@", "{")) or value == "!=":
                 raise Unsupported(f"set match {value}")
             if last_was_addr:
@@ -305,6 +320,14 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
             exprs.append(_expr("fib", _u32(1, NFT_REG_1), _u32(2, NFT_FIB_RESULT_ADDRTYPE), _u32(3, NFTA_FIB_F_SADDR)))
             exprs.append(_cmp(NFT_CMP_EQ, struct.pack("=I", RTN_LOCAL)))
             i += 4
+        elif w == "update" and len(rest) == 6 and rest[2:] == ["{", ipword, "saddr", "}"] \
+                and rest[1].startswith("@" + AFFINITY_PREFIX):
+            # `update @affinity-X { ip saddr }`: pin the client (the set's own timeout applies)
+            name = rest[1][1:]
+            exprs.append(_payload(NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, 4 if family == 4 else 16))
+            exprs.append(_expr("dynset", _u32(3, NFT_DYNSET_OP_UPDATE), _u32(4, NFT_REG_1), _str(1, name),
+                               *_set_ref(batch, name, 2)))
+            i = len(words)
         elif w in ("jump", "goto", "drop", "accept"):
             code, target = _verdict_of(" ".join(rest))
             exprs.append(_immediate_verdict(code, target))
@@ -346,6 +369,12 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
     batch.add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, _fam_hdr(_nfproto(family)) + b"".join(attrs), line)
 
 
+def _set_ref(batch: _Batch, name: str, id_attr: int) -> list[bytes]:
+    """The set id attribute when the set is created in this batch (the kernel finds it by name otherwise)."""
+    set_id = batch.set_ids.get(name)
+    return [] if set_id is None else [_u32(id_attr, set_id)]
+
+
 def _nfproto(family: int) -> int:
     return NFPROTO_IPV6 if family == 6 else NFPROTO_IPV4
 
@@ -375,6 +404,23 @@ def _line(batch: _Batch, text: str, index: int) -> None:
             batch.add(DELRULE, 0, hdr + table + _str(2, name), index)
         else:
             batch.add(DELCHAIN, 0, hdr + table + _str(3, name), index)
+    elif obj == "set":
+        if not name.startswith(AFFINITY_PREFIX):
+            raise Unsupported(f"{verb} set {name}")
+        if verb == "delete" and not rest:
+            batch.add(DELSET, 0, hdr + table + _str(2, name), index)
+            return
+        m = _AFFINITY_DECL.match(rest or "")
+        if verb != "add" or not m or (m.group(1) == "ipv6_addr") != (family == 6):
+            raise Unsupported(f"{verb} set {name} {rest}")
+        set_id = batch.next_set_id
+        batch.next_set_id += 1
+        batch.set_ids[name] = set_id
+        v6 = family == 6
+        batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
+            table, _str(2, name), _u32(3, NFT_SET_TIMEOUT | NFT_SET_EVAL),
+            _u32(4, NFT_TYPE_IP6ADDR if v6 else NFT_TYPE_IPADDR), _u32(5, 16 if v6 else 4),
+            _u32(10, set_id), _attr(11, struct.pack(">Q", int(m.group(2)) * 1000)), _attr(13, _ADDR_SET_UDATA))), index)
     elif obj == "rule":
         if verb != "add" or not rest:
             raise Unsupported(f"{verb} rule")

@@ -42,6 +42,11 @@ def test_supported_forms():
         f'add element {T} no-endpoint-nodeports {{ tcp . 30001 comment "ns/svc:http" : drop }}',
         f"add element {T} cluster-ips {{ 10.96.0.2 }}",
         f"delete element {T} service-nodeports {{ sctp . 30001 }}",
+        f"add set {T} affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 {{ type ipv4_addr ; flags dynamic,timeout ; "
+        "timeout 10800s ; }",
+        f"delete set {T} affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080",
+        f"add rule {T} svc ip saddr @affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 goto ep",
+        f"add rule {T} ep update @affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 {{ ip saddr }}",
     ]
     for line in lines:
         assert nflink.supported(line + "\n"), line
@@ -54,6 +59,14 @@ def test_supported_forms():
     f"add chain {T} nat-output {{ type nat hook output priority -100 ; }}",
     f'add map {T} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; }}',
     f"flush map {T} service-ips",
+    f"add set {T} other {{ type ipv4_addr ; flags dynamic,timeout ; timeout 10s ; }}",
+    f"add set {T} affinity-A {{ type ipv6_addr ; flags dynamic,timeout ; timeout 10s ; }}",
+    f"add set {T} affinity-A {{ type ipv4_addr ; flags timeout ; timeout 10s ; }}",
+    f"flush set {T} affinity-A",
+    f"add rule {T} c ip saddr @cluster-ips goto x",
+    f"add rule {T} c ip saddr != @affinity-A goto x",
+    f"add rule {T} c update @affinity-A {{ ip daddr }}",
+    f"add rule {T} c update",
     f"add rule {T} fw ip saddr != {{ 203.0.113.0/25 }} drop",
     f"add rule {T} c ip daddr . meta l4proto . th dport vmap @service-ips",
     f"add rule {T} c ct state new jump x",
@@ -268,8 +281,11 @@ def test_incremental_batches_match_nft(pair):
     # the forms the one-endpoint and service changes need all went over netlink
     for label in ("endpoint removed", "endpoints added", "service added", "service deleted", "no endpoints left",
                   "nodeport changed", "eTP Local endpoint moved", "eTP Local without local endpoints",
-                  "ClusterIP becomes NodePort", "endpoints back"):
+                  "ClusterIP becomes NodePort", "endpoints back", "affinity service added",
+                  "affinity endpoint removed"):
         assert label in sent
+    # LoadBalancerSourceRanges (an anonymous interval set) go through nft -f
+    assert "firewalled service added" not in sent
     # and the result is what a full render gives (which creates objects in another order)
     nft(b, nftables.render(state_from_records(steps[-1][1]), CFG).text)
     assert _blocks(listing(a)) == _blocks(listing(b))
