@@ -205,7 +205,7 @@ class DnsView:
                 self._slices[sl.key] = sl
         base = self.current
         others = (now.namespaces is not base.namespaces or now.pods is not base.pods
-                  or now.nodes is not base.nodes or now.synced != base.synced)
+                  or now.nodes is not base.nodes or self._synced(now) != base.synced)
         if not changed and not others and not full:
             return
         self._publish(now, changed, kinds, full)
@@ -232,6 +232,12 @@ class DnsView:
         if len(self._observed) > 2 * max(1, len(now.slices)):
             self._observed = {k: v for k, v in self._observed.items() if k in now.slices}
 
+    def _synced(self, now: ClusterState) -> frozenset:
+        """Nothing counts as synced before the first rule sync: DNS then answers SERVFAIL,
+        not NXDOMAIN, for the Services it cannot show yet (after an agent restart their
+        rules may well be in the kernel; a negative answer would be wrong and cached)."""
+        return now.synced if self.follow or self.applied_version >= 0 else frozenset()
+
     def _publish(self, now: ClusterState, changed: set, kinds: frozenset, full: bool) -> None:
         old = self.current
         self._version += 1
@@ -240,7 +246,7 @@ class DnsView:
             services=MappingProxyType(dict(self._services)) if changed or full else old.services,
             slices=MappingProxyType(dict(self._slices)) if changed or full else old.slices,
             namespaces=now.namespaces, pods=now.pods, nodes=now.nodes,
-            synced=now.synced, serial=max(now.serial, old.serial + (1 if changed else 0)))
+            synced=self._synced(now), serial=max(now.serial, old.serial + (1 if changed else 0)))
         self._observe_programming(now, changed)
         view_kinds = set(kinds) | ({"Service", "EndpointSlice"} if changed else set())
         delta = Delta(frozenset(changed), frozenset(view_kinds), full)

@@ -126,6 +126,17 @@ def test_view_built_on_a_filled_store():
     assert set(view.current.services) == {("ns", "a"), ("ns", "h")}
 
 
+def test_not_synced_for_dns_until_the_first_rule_sync():
+    store = StateStore()
+    view = DnsView(store)
+    store.replace("Service", [svc("a")])
+    store.replace("EndpointSlice", [])
+    assert store.current.is_synced("Service", "EndpointSlice")
+    assert view.current.synced == frozenset()      # unknown names: SERVFAIL, not NXDOMAIN
+    view.applied(store.current.version)
+    assert view.current.is_synced("Service", "EndpointSlice")
+
+
 def test_follow_mode_serves_every_version_at_once():
     store = StateStore()
     store.upsert("Service", svc("a"))
@@ -330,7 +341,8 @@ async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
         assert await until(lambda: _has(agent.store.current, "a"))
         status, text = await _get(hport, "/ready")
         assert status == 503 and "first rule sync not done" in text and "Service not synced" not in text
-        assert (await ask(port, A_NAME))[0] == "NXDOMAIN"   # nothing in the kernel yet
+        # Nothing known to be in the kernel yet: SERVFAIL (try again), not NXDOMAIN.
+        assert (await ask(port, A_NAME))[0] == "SERVFAIL"
         kernel.gate.set()
         assert await until(lambda: _ready(hport))
         assert (await _get(hport, "/health"))[0] == 200
