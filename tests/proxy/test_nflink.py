@@ -131,8 +131,8 @@ def nft(ns: str, text: str) -> None:
     assert r.returncode == 0, r.stderr + text
 
 
-def listing(ns: str) -> str:
-    return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", T],
+def listing(ns: str, fam: str = "ip") -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", fam, "kube-proxy"],
                           capture_output=True, text=True, check=True).stdout
 
 
@@ -149,13 +149,13 @@ def _blocks(text: str) -> dict[str, list[str]]:
     return out
 
 
-def bytecode(ns: str):
+def bytecode(ns: str, fam: str = "ip"):
     """The kernel's objects as netlink expressions: (sets with their elements, rules in order).
 
     Normalised only where the two sides may differ without a behavioural
     difference: handles, anonymous map numbers, the order of hash set elements.
     """
-    out = subprocess.run(["ip", "netns", "exec", ns, "nft", "--debug=netlink", "list", "table", T],
+    out = subprocess.run(["ip", "netns", "exec", ns, "nft", "--debug=netlink", "list", "table", fam, "kube-proxy"],
                          capture_output=True, text=True, check=True).stdout
     out = re.sub(r"__map\d+", "__map", out)
     blocks: list[list[str]] = []
@@ -378,3 +378,34 @@ def test_dnat_added_over_netlink_rewrites_packets(pair):
                          capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "hello from the endpoint"
+
+
+CFG6 = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
+              cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"), service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
+
+
+@needs_netns
+def test_ipv6_batches_match_nft(pair):
+    """The demo cluster's IPv6 Services arrive over netlink, then lose an endpoint: as nft -f leaves it."""
+    from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
+    a, b = pair
+    records, _ = load_files([DEMO_MANIFEST])
+    empty = nftables.render(state_from_records([]), CFG6, 6)
+    nft(a, empty.text)
+    nft(b, empty.text)
+    demo = state_from_records(records)
+    keys = set(_keys(records))
+    rs = nftables.render(demo, CFG6, 6, previous=empty.state, changed=keys)
+    assert "dnat to [fd00:161::" in rs.text and "ip6 saddr != fd00:161::/64" in rs.text
+    fewer = [(k, replace(r, endpoints=r.endpoints[1:]) if k == "EndpointSlice" and r.address_type == "IPv6" else r)
+             for k, r in records]
+    rs2 = nftables.render(state_from_records(fewer), CFG6, 6, previous=rs.state, changed=keys)
+    for text in (rs.text, rs2.text):
+        assert nflink.supported(text)
+        with pytest.raises(nflink.Unsupported):
+            nflink.apply(text, 4, netns=a)          # the family must match the text
+        nflink.apply(text, 6, netns=a)
+        nft(b, text)
+        assert _blocks(listing(a, "ip6")) == _blocks(listing(b, "ip6"))
+        assert listing(a, "ip6") == listing(b, "ip6")
+        assert bytecode(a, "ip6") == bytecode(b, "ip6")
