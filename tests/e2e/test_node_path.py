@@ -13,7 +13,8 @@ testapp.svc.cluster.local svc.cluster.local cluster.local, nameserver
 no endpoints: the proxier REJECTs its ClusterIP, and the agent's local DNS
 must answer anyway.
 
-Run twice: state from a manifest file, and from tests/fakeapi.py through
+Run with the state from a manifest file (iptables and nftables proxier), and from
+tests/fakeapi.py through
 --kubeconfig (updates, deletes, bookmarks, 410 Gone, dropped watches, an
 outage). The fake API server's thread is started inside the node namespace
 (setns in the creating thread) so the agent reaches it on its own 127.0.0.1.
@@ -217,12 +218,12 @@ def write_manifest(path, objs) -> None:
 # ---------------------------------------------------------------- the agent
 
 class AgentProc:
-    def __init__(self, log_path, *source_args: str) -> None:
+    def __init__(self, log_path, *source_args: str, mode: str = "iptables") -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
         argv = ["ip", "netns", "exec", NODE, PY, "-m", "clusterdns", "agent", *source_args,
                 "--local-ip", KUBE_DNS, "--node-ip", "192.168.49.2", "--node-name", "node-a",
-                "--cluster-cidr", "10.161.0.0/16", "--proxy-mode", "iptables", "--apply",
+                "--cluster-cidr", "10.161.0.0/16", "--proxy-mode", mode, "--apply",
                 "--min-sync-period", "0", "--no-upstream", "--lameduck", "0",
                 "--health-listen", HEALTH, "--metrics-listen", "none", "--loop", "asyncio"]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=os.getcwd())
@@ -319,10 +320,13 @@ def wait_for(pred, agent: AgentProc, what: str, timeout: float = 5.0) -> None:
 
 # ---------------------------------------------------------------- the two runs
 
-def test_node_path_from_manifest(topo, tmp_path):
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_node_path_from_manifest(topo, tmp_path, mode):
+    if mode == "nftables" and shutil.which("nft") is None:
+        pytest.skip("needs nft")
     path = str(tmp_path / "cluster.json")
     write_manifest(path, objects())
-    agent = AgentProc(str(tmp_path / "agent.log"), "--manifest", path)
+    agent = AgentProc(str(tmp_path / "agent.log"), "--manifest", path, mode=mode)
     try:
         agent.wait_ready()
         check_served()
