@@ -13,10 +13,9 @@ testapp.svc.cluster.local svc.cluster.local cluster.local, nameserver
 no endpoints: the proxier REJECTs its ClusterIP, and the agent's local DNS
 must answer anyway.
 
-Run with the state from a manifest file (iptables and nftables proxier), and from
-tests/fakeapi.py through
---kubeconfig (updates, deletes, bookmarks, 410 Gone, dropped watches, an
-outage). The fake API server's thread is started inside the node namespace
+Run with the state from a manifest file (iptables and nftables proxier), and
+from tests/fakeapi.py through --kubeconfig (updates, deletes, bookmarks, 410
+Gone, dropped watches, an outage). The fake API server's thread is started inside the node namespace
 (setns in the creating thread) so the agent reaches it on its own 127.0.0.1.
 """
 from __future__ import annotations
