@@ -196,3 +196,21 @@ def test_bad_address_is_a_clear_error(topology):
     runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
     with pytest.raises(ValueError):
         localdns.LocalDNS(["not-an-ip"], runner)
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("ip6tables") is None, reason="needs ip6tables")
+def test_ipv6_local_address(topology):
+    node, _ = topology
+    runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
+    ldns = localdns.LocalDNS(["fd00:20::a", LOCAL_IP], runner)
+    asyncio.run(ldns.setup())
+    assert "fd00:20::a" in _sh("ip", "-6", "-o", "addr", "show", "dev", "nodelocaldns", ns=node).stdout
+    rules = _sh("ip6tables", "-t", "raw", "-S", "CLUSTERDNS-NOTRACK", ns=node).stdout
+    assert "-d fd00:20::a/128 -p udp -m udp --dport 53" in rules
+    assert asyncio.run(ldns.check()) is False
+    # A UDP socket can bind the address at once (nodad): what the DNS server does.
+    probe = "import socket; s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.bind(('fd00:20::a', 53)); print('ok')"
+    assert _sh(sys.executable, "-c", probe, ns=node).stdout.strip() == "ok"
+    removed = asyncio.run(localdns.cleanup(runner))
+    assert any(r.startswith("IPv6 raw") for r in removed)
