@@ -24,9 +24,8 @@ import time
 import tracemalloc
 
 from clusterdns.config import load
-from clusterdns.model import Endpoint
 from clusterdns.proxy.apply import IptablesExecutor, NftExecutor, SubprocessRunner
-from clusterdns.state import StateStore, state_from_records
+from clusterdns.state import StateStore
 from clusterdns.synthetic import synthetic_records
 
 

@@ -26,7 +26,7 @@ from ..config import Config
 from ..metrics import REGISTRY
 from ..state import ClusterState, Delta, StateStore
 from .apply import (
-    CANARY, ApplyError, CommandRunner, IptablesExecutor, IpvsExecutor, NftExecutor, Result,
+    ApplyError, CommandRunner, IptablesExecutor, IpvsExecutor, NftExecutor, Result,
     SubprocessRunner, parse_save,
 )
 from .conntrack import ConntrackCleaner, stale_flows
@@ -91,8 +91,6 @@ class PrintingRunner:
     """The runner of --dry-run and the demo: prints what would be applied instead of applying.
 
     Reads (iptables-save, nft list) answer as an empty kernel would."""
-
-    WRITES = ("restore", "nft", "ipvsadm-restore", "ipset")
 
     def __init__(self, out: TextIO | None = None) -> None:
         self.out = out
@@ -254,7 +252,6 @@ class Proxier:
         self._synced_event = asyncio.Event()
         self._runner = BoundedFrequencyRunner("sync-proxy-rules", self._sync, cfg.min_sync_period,
                                               cfg.sync_period, burst=2, clock=monotonic, sleep=sleep)
-        self._task: asyncio.Task | None = None
         store.subscribe(self._on_change)
         if store.current.is_synced("Service", "EndpointSlice"):
             self._pending |= set(store.current.services)
@@ -274,7 +271,6 @@ class Proxier:
         """Sync until stop(). The first sync runs as soon as the state is synced."""
         if self.store.current.is_synced("Service", "EndpointSlice"):
             self._runner.run()
-        self._task = asyncio.current_task()
         try:
             await self._runner.loop()
         finally:
@@ -378,8 +374,9 @@ class Proxier:
                     NETWORK_PROGRAMMING.observe(wall - t)
         self._record_counts(outcomes, full)
         self._update_no_local(state, None if full else changed)
-        if not self._pending:
-            self.health.updated()
+        self.health.updated()
+        if self._pending:   # changes that arrived during this sync wait for the next one
+            self.health.queued_update()
         log.debug("%s sync of state version %d took %.3fs (%d changed services)",
                   "full" if full else "partial", state.version, elapsed, len(changed))
         for fam, cleaner in self.conntrack.items():

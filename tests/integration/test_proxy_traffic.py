@@ -1,11 +1,10 @@
 """Real traffic through the rules `clusterdns proxy` applies, in iptables and nftables modes."""
-import subprocess
 import time
 
 import pytest
 
 from harness import (
-    DNS_IP, EMPTY, EXT_IPS, EXTERNAL_IP, HCNP, LATE, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY, UDP_PORT,
+    DNS_IP, EMPTY, EXTERNAL_IP, HCNP, LATE, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY,
     WEB, manifest, sh, write_manifest,
 )
 

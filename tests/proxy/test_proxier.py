@@ -9,7 +9,6 @@ import socket
 import pytest
 
 from clusterdns.config import load
-from clusterdns.model import Endpoint
 from clusterdns.proxy import proxier as px
 from clusterdns.proxy.apply import RecordingRunner, Result
 from clusterdns.proxy.healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
