@@ -102,6 +102,9 @@ class Engine:
         self._fcache = getattr(self.forwarder, "cache", None)
         self._probes = getattr(self.forwarder, "_probes", None) or {}
         self._fwd: dict[bytes, _Forwarded] = {}
+        # NXDOMAIN answers under svc.<zone> of the current view, by (zone, offset of the zone)
+        self._nx_view: ZoneView | None = None
+        self._nx_entries: dict[tuple, Entry] = {}
 
     # --- state -------------------------------------------------------------------------
 
@@ -169,9 +172,13 @@ class Engine:
             entry = self._carry(view, key)
             if entry is None:
                 if self._fwd:
-                    return self._fast_forwarded(key + (b"\x02" if opt is self._opt_do else b"\x00"),
-                                                data, qend, opt, limit)
-                return None
+                    reply = self._fast_forwarded(key + (b"\x02" if opt is self._opt_do else b"\x00"),
+                                                 data, qend, opt, limit)
+                    if reply is not None:
+                        return reply
+                entry = self._build(view, data, end, qend, key)
+                if entry is None:
+                    return None
         bodies = entry.bodies
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
         flags = entry.flags | ((data[2] << 8 | data[3]) & 0x0110)
@@ -179,6 +186,47 @@ class Engine:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
         return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
                          data[12:qend], body.data, opt))
+
+    def _build(self, view: ZoneView, data: bytes, end: int, qend: int, key: bytes) -> Entry | None:
+        """The first time a zone question is asked in this state version: its answer built here,
+        without a parse or a task, exactly as resolve() builds it. None when resolve() must decide
+        (outside the zones, transfers, not synced, answers that depend on the client or upstream)."""
+        if not view.synced or question_end(data) != qend:
+            return None
+        qtype = data[end + 1] << 8 | data[end + 2]
+        if qtype == AXFR or qtype == IXFR:
+            return None
+        raw = qname_labels(data, qend)
+        labels = tuple(l.lower().decode("latin-1") for l in raw)
+        zone = names.zone_of(labels, view.zones)
+        if zone is None:
+            return None
+        k = len(labels) - len(zone)
+        if k and labels[k - 1] == "svc" and not names.is_reverse(zone) and _svc_nx(view, labels[:k]):
+            # the common miss (search-path candidates, unknown services): one template per
+            # position of the zone in the question; pointers only aim at the zone's labels
+            if self.cfg.autopath or (self._fall is not None and self._falls_through(labels)):
+                return None
+            if self._nx_view is not view:
+                self._nx_view, self._nx_entries = view, {}
+            at = (zone, end + 1 - sum(len(l) + 2 for l in zone))
+            entry = self._nx_entries.get(at)
+            if entry is None:
+                entry = self._nx_entries[at] = Entry(QR | AA | NXDOMAIN, [pack_body(
+                    tuple(l.lower() for l in raw), (), [view.soa(zone)])], True, None, view.serial)
+        else:
+            ans = view.lookup(labels, qtype)
+            if ans.chase is not None or (ans.rcode == NXDOMAIN and (
+                    self.cfg.autopath or (self._fall is not None and self._falls_through(labels)))):
+                return None
+            entry = self._entry_for(raw, ans)
+            if not entry.cacheable:
+                return entry
+        memo = view.memo
+        if len(memo) >= MEMO_LIMIT:
+            memo.clear()
+        memo[key] = entry
+        return entry
 
     def _fast_forwarded(self, key: bytes, data: bytes, qend: int, opt: bytes, limit: int) -> bytes | None:
         """A forwarded answer still fresh in the cache: counted as a cache hit, TTLs counted down."""
@@ -343,7 +391,10 @@ class Engine:
         return None
 
     def _entry(self, q: _Query, ans: Answer) -> Entry:
-        lower = tuple(l.lower() for l in q.raw_labels)
+        return self._entry_for(q.raw_labels, ans)
+
+    def _entry_for(self, raw_labels: tuple[bytes, ...], ans: Answer) -> Entry:
+        lower = tuple(l.lower() for l in raw_labels)
         flags = QR | AA | ans.rcode
         variants = rotations(ans.answer) if len(ans.answer) > 1 else [ans.answer]
         bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in variants]
@@ -473,6 +524,24 @@ class Engine:
                 return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)]
         return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)
                 for body in xfr.transfer_bodies(view, zone, q.raw_labels)]
+
+
+def _svc_nx(view: ZoneView, rest: Labels) -> bool:
+    """Does the name `rest` + zone (rest ending in "svc") surely not exist? (ZoneView.lookup's rules)"""
+    p = names.parse(rest)
+    kind = p.kind
+    if kind == "nx":
+        return True
+    if kind in ("service", "endpoint", "port"):
+        sd = view.service(p.namespace, p.service)
+        if sd is None:
+            return True
+        if kind == "endpoint":
+            return sd.kind == "external" or not sd.by_name().get(p.endpoint)
+        return False
+    if kind == "namespace":
+        return not view.exposed(p.namespace)
+    return False
 
 
 def label_of(raw: tuple[bytes, ...]) -> dnslib.DNSLabel:

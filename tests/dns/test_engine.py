@@ -418,17 +418,19 @@ def test_prebuilt_answers_survive_unrelated_changes(h, demo_records):
     m = dns.message.from_wire(engine.fast(nodata, False))
     assert m.rcode() == dns.rcode.NOERROR and not m.answer
     assert m.authority[0][0].serial == store.current.serial != SERIAL
-    # the Service itself changes: built again, with the new address
+    # the Service itself changes: the old answer is not taken over; fast() builds the new one
     dns_svc = store.current.services[("kube-system", "kube-dns")]
     store.upsert("Service", dc_replace(dns_svc, cluster_ips=("172.20.0.11",)))
     engine.update(store.current)
-    assert engine.fast(kube_dns, False) is None
+    assert engine._carry(engine.view, kube_dns[12:-4].lower() + kube_dns[-4:-2]) is None
+    assert h.lines(dns.message.from_wire(engine.fast(kube_dns, False)).answer) == a(
+        f"kube-dns.kube-system.{CL}", "172.20.0.11")
     assert h.lines(h.ask(engine, "kube-dns.kube-system.svc.cluster.local").answer) == a(
         f"kube-dns.kube-system.{CL}", "172.20.0.11")
     # its namespace stops matching --namespace-labels: the unchanged Service is no longer served
     store.upsert("Namespace", Namespace("testapp", ()))
     engine.update(store.current)
-    assert engine.fast(kept[0], False) is None
+    assert dns.message.from_wire(engine.fast(kept[0], False)).rcode() == dns.rcode.NXDOMAIN
     assert h.ask(engine, "testapp-svc.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
 
 
@@ -838,7 +840,8 @@ TYPES = ["A", "AAAA", "SRV", "PTR", "TXT", "ANY", "MX", "CNAME", "NS", "SOA", "H
 def queries(draw):
     name = draw(st.sampled_from(NAMES))
     if draw(st.booleans()):
-        prefix = draw(st.sampled_from(["x", "web-0", "_http._tcp", "10-1-2-3", "Nope"]))
+        prefix = draw(st.sampled_from(["x", "web-0", "_http._tcp", "10-1-2-3", "Nope", "ns.dns", "hostmaster",
+                                       "a.b.c", "svc", "dns"]))
         name = prefix if name == "." else prefix + "." + name
     name = "".join(c.upper() if draw(st.booleans()) else c for c in name) if draw(st.booleans()) else name
     q = dns.message.make_query(name, draw(st.sampled_from(TYPES)))
@@ -884,6 +887,51 @@ def test_fast_path_equals_full_path(busy_engine, h, query):
         assert fast is not None, "a zone answer is prebuilt after its first resolve()"
 
 
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(queries())
+def test_first_time_fast_answers_equal_the_full_path(busy_engine, h, query):
+    """fast() builds a question's first answer itself (or declines): the bytes resolve() gives."""
+    wire, tcp = query
+    view = busy_engine.view
+    view.memo.clear()
+    busy_engine._nx_entries.clear()
+    for memo in view.carried:
+        memo.clear()
+    fast = busy_engine.fast(wire, tcp)
+    view.memo.clear()
+    busy_engine._nx_entries.clear()
+    first = resolve(busy_engine, wire, tcp)
+    if fast is not None:
+        assert fast == first
+
+
+@pytest.mark.parametrize("name", ["never.ns-new.svc.cluster.local", "x.testapp.svc.cluster.local",
+                                  "testapp-svc.testapp.testapp.svc.cluster.local", "NoPe.TestApp.SVC.cluster.local",
+                                  "a.b.c.d.e.f.svc.cluster.local", "nope.svc.cluster.local",
+                                  "x.external-db.testapp.svc.cluster.local", "web-9.testapp-headless.testapp.svc.cluster.local",
+                                  "hostmaster.svc.cluster.local", "ns.dns.svc.cluster.local"])
+def test_nxdomain_under_svc_is_answered_from_the_template(demo_state, h, name):
+    engine = h.make_engine(demo_state)
+    other = h.make_engine(demo_state)
+    for qtype in ("A", "SRV", "ANY"):
+        wire = h.query_wire(name, qtype, use_edns=0)
+        fast = engine.fast(wire, False)
+        assert fast is not None and fast == h.ask_wire(other, wire)
+        assert dns.message.from_wire(fast).rcode() == dns.rcode.NXDOMAIN
+    assert engine._nx_entries
+
+
+def test_first_time_answers_not_taken_by_fast(demo_state, h):
+    """Per-client or upstream-dependent answers stay with resolve()."""
+    engine = h.make_engine(demo_state, autopath=True)
+    assert engine.fast(h.query_wire("nope.testapp.svc.cluster.local"), False) is None        # autopath may apply
+    engine = h.make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM), fallthrough=())
+    assert engine.fast(h.query_wire("nope.testapp.svc.cluster.local"), False) is None        # falls through
+    assert engine.fast(h.query_wire("external-db.testapp.svc.cluster.local"), False) is None  # chased upstream
+    assert engine.fast(h.query_wire("cluster.local", "AXFR"), True) is None
+    assert engine.fast(h.query_wire("example.com"), False) is None
+
+
 mutations = st.tuples(st.integers(0, 80), st.integers(0, 255))
 
 
@@ -922,15 +970,24 @@ def test_fast_path_cost(h):
     from clusterdns.synthetic import synthetic_records
     engine = h.make_engine(h.make_state(synthetic_records(2000, 3)))
     out = []
-    assert engine.fast(h.query_wire("svc-5.ns-5.svc.cluster.local", "A"), False) is None   # not built yet
+    first = h.query_wire("svc-5.ns-5.svc.cluster.local", "A")
+    assert engine.fast(first, False) == h.ask_wire(engine, first)     # built on first use, same bytes
     for kw in ({}, {"use_edns": 0, "payload": 1232}):
         wire = h.query_wire("svc-5.ns-5.svc.cluster.local", "A", **kw)
         h.ask_wire(engine, wire)
         assert engine.fast(wire, False) is not None
         n = 20000
         out.append(min(timeit.repeat(lambda: engine.fast(wire, False), number=n, repeat=3)) / n * 1e6)
-    print(f"\nfast() per hit: {out[0]:.2f} us without EDNS, {out[1]:.2f} us with EDNS")
-    assert max(out) < 100
+    # first-time questions: never-seen NXDOMAIN names (the template) and services asked once
+    nx = [h.query_wire(f"never-{i}.ns-{i % 100}.svc.cluster.local", "A") for i in range(3000)]
+    fresh = [h.query_wire(f"svc-{i}.ns-{i % 100}.svc.cluster.local", "AAAA") for i in range(1000, 2000)]
+    for batch in (nx, fresh):
+        started = timeit.default_timer()
+        assert all(engine.fast(w, False) is not None for w in batch)
+        out.append((timeit.default_timer() - started) / len(batch) * 1e6)
+    print(f"\nfast() per hit: {out[0]:.2f} us without EDNS, {out[1]:.2f} us with EDNS; "
+          f"first-time NXDOMAIN {out[2]:.2f} us, first-time service NODATA {out[3]:.2f} us")
+    assert max(out) < 200
 
 
 def test_interface_the_server_codes_against():
