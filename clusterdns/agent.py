@@ -328,9 +328,6 @@ class Agent:
         health.add_ready_check("dns", lambda: self.dns is not None and self.dns.synced)
 
     # -- building blocks
-    def _dns_store(self):
-        return self.view
-
     def _make_proxier(self):
         if self.cfg.proxy_mode == "none":
             return None
@@ -368,16 +365,14 @@ class Agent:
     async def _start_dns(self) -> None:
         from .dns.server import DnsService
         kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
-        self.dns = DnsService(self.cfg, self._dns_store(), **kwargs)
+        self.dns = DnsService(self.cfg, self.view, **kwargs)
         await self.dns.start()
 
     async def _stop_dns(self) -> None:
         if self.dns is None:
             return
         await self.dns.stop()
-        store = self.dns.store
-        if hasattr(store, "unsubscribe"):
-            store.unsubscribe(self.dns._on_state)
+        self.view.unsubscribe(self.dns._on_state)
         self.dns = None
 
     async def _start_localdns(self) -> None:
@@ -423,9 +418,8 @@ class Agent:
         if task is not None:
             task.cancel()
             await _quiet(task)
-        if hasattr(self.store, "unsubscribe"):
-            self.store.unsubscribe(self.proxier._on_change)
-        elif self.proxier._on_change in self.store._subscribers:
+        # StateStore has no unsubscribe: drop the old proxier's subscription by hand.
+        if self.proxier._on_change in self.store._subscribers:
             self.store._subscribers.remove(self.proxier._on_change)
         self.proxier = None
 
@@ -460,16 +454,20 @@ class Agent:
     async def wait(self) -> int:
         """Until shutdown is asked (then lameduck) or the source fails; the exit code."""
         waiter = asyncio.ensure_future(self._stopping.wait())
-        watched = [t for n, t in self._tasks.items() if n in ("source", "proxier")]
-        done, _ = await asyncio.wait([waiter, *watched], return_when=asyncio.FIRST_COMPLETED)
         code = 0
-        if not self._stopping.is_set():
-            for t in done:
-                if t is not waiter:
-                    exc = None if t.cancelled() else t.exception()
-                    log.error("%s stopped: %s", _task_name(self._tasks, t), exc or "ended")
-            code = 1
-        elif self.cfg.lameduck > 0:
+        while not self._stopping.is_set():
+            watched = [t for n, t in self._tasks.items() if n in ("source", "proxier")]
+            # The timeout picks up tasks a reload started meanwhile.
+            done, _ = await asyncio.wait([waiter, *watched], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            # A task a reload replaced ends too: only a current one ending is fatal.
+            failed = [t for t in done if t is not waiter and t in self._tasks.values()]
+            for t in failed:
+                exc = None if t.cancelled() else t.exception()
+                log.error("%s stopped: %s", _task_name(self._tasks, t), exc or "ended")
+            if failed:
+                code = 1
+                break
+        if not code and self.cfg.lameduck > 0:
             log.info("shutting down: lameduck for %gs (still answering, /ready 503)", self.cfg.lameduck)
             self.health.lameduck = True
             await asyncio.sleep(self.cfg.lameduck)

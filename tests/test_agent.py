@@ -378,18 +378,30 @@ async def test_ready_before_the_state_is_listed(tmp_path):
 async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
     manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
     conf = tmp_path / "agent.yaml"
-    conf.write_text("apiVersion: clusterdns.io/v1alpha1\nkind: ClusterDNSConfiguration\nttl: 5\n")
+    conf.write_text("apiVersion: clusterdns.io/v1alpha1\nkind: ClusterDNSConfiguration\nttl: 5\n"
+                    "min-sync-period: 0\n")
     argv = ["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", "127.0.0.1:0",
-            "--no-upstream", "--health-listen", "none", "--metrics-listen", "none",
-            "--min-sync-period", "0", "--config", str(conf)]
+            "--no-upstream", "--health-listen", "none", "--metrics-listen", "none", "--lameduck", "0",
+            "--config", str(conf)]
     cfg = load(argv, env={})
     agent, port = await started(cfg, SlowKernel(), argv=argv)
     try:
         assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
         assert (await ask(port, A_NAME))[2] == 5
-        conf.write_text("ttl: 17\n")
+        conf.write_text("ttl: 17\nmin-sync-period: 0\n")
         assert await until(lambda: _ttl(agent, A_NAME, 17), timeout=5)
         assert agent.cfg.ttl == 17 and agent.reloads == 1
+        assert agent.proxier.cfg.min_sync_period == 0
+        # The proxier and the source restart on a reload that changes their options;
+        # the agent keeps running and changes keep flowing.
+        waiting = asyncio.ensure_future(agent.wait())
+        conf.write_text("ttl: 17\nmin-sync-period: 0.1\npods: verified\n")
+        assert await until(lambda: _value(agent.reloads == 2), timeout=5)
+        assert agent.proxier.cfg.min_sync_period == 0.1 and agent.source.store is agent.store
+        agent.source.interval = 0.05
+        manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
+        assert await until(lambda: _answers_quietly(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=5)
+        assert not waiting.done()
         conf.write_text("ttl: [not, a, number\n")           # broken YAML
         assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
         assert agent.cfg.ttl == 17
@@ -398,6 +410,8 @@ async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
         assert await until(lambda: _value(agent.reload_errors >= 2), timeout=5)
         assert agent.cfg.ttl == 17
         assert await agent.reload() is False                 # SIGHUP path, same result
+        agent.begin_shutdown()
+        assert await asyncio.wait_for(waiting, 5) == 0
     finally:
         await agent.stop()
 
