@@ -88,8 +88,12 @@ class NflinkError(Exception):
         self.line = line
 
 
-class Unsupported(ValueError):
-    """A statement form this module does not encode."""
+class _TransportError(NflinkError):
+    """The socket failed (the batch may not have reached the kernel)."""
+
+
+class Unsupported(NflinkError, ValueError):
+    """A statement form this module does not encode (nothing was sent)."""
 
 
 # ---------------------------------------------------------------- attributes
@@ -511,6 +515,11 @@ class _Link:
         self.seq = 1
         self.sndbuf = 0
         sock.settimeout(10.0)
+        try:
+            # room for the kernel's error replies to a large failing batch
+            sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)   # SO_RCVBUFFORCE (root)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.sock.close()
@@ -557,7 +566,7 @@ def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
 def apply(text: str, family: int = 4, *, netns: str | None = None) -> None:
     """Send the transaction as one nfnetlink batch; NflinkError (nothing applied) on failure.
 
-    Raises Unsupported for a line this module does not encode (check with
+    Raises Unsupported (an NflinkError; nothing sent) for a line this module does not encode (check with
     `supported` first). `netns` names a namespace under /run/netns.
     """
     batch, lines = _parse(text)
@@ -567,7 +576,18 @@ def apply(text: str, family: int = 4, *, netns: str | None = None) -> None:
         return
     link = _link(netns)
     with link.lock:
-        _send(link, batch, lines)
+        try:
+            _send(link, batch, lines)
+        except _TransportError:
+            _forget(netns, link)     # socket trouble, not a refusal: the next call opens a new one
+            raise
+
+
+def _forget(netns: str | None, link: _Link) -> None:
+    with _sockets_lock:
+        for key in [k for k, v in _sockets.items() if v is link]:
+            del _sockets[key]
+    link.close()
 
 
 def _send(link: _Link, batch: _Batch, lines: list[str]) -> None:
@@ -597,15 +617,15 @@ def _send(link: _Link, batch: _Batch, lines: list[str]) -> None:
         sock.send(data)
         sock.send(_message((NFNL_SUBSYS_NFTABLES << 8) | GETGEN, NLM_F_REQUEST, marker, _fam_hdr(0)))
     except OSError as exc:
-        raise NflinkError(f"netlink send failed: {exc.strerror or exc}", exc.errno or 0) from None
+        raise _TransportError(f"netlink send failed: {exc.strerror or exc}", exc.errno or 0) from None
     errors: list[tuple[int, int]] = []
     while True:
         try:
             reply = sock.recv(1 << 20)
         except socket.timeout:
-            raise NflinkError("no reply from the kernel (netlink)") from None
+            raise _TransportError("no reply from the kernel (netlink)") from None
         except OSError as exc:
-            raise NflinkError(f"netlink receive failed: {exc.strerror or exc}", exc.errno or 0) from None
+            raise _TransportError(f"netlink receive failed: {exc.strerror or exc}", exc.errno or 0) from None
         done = False
         pos = 0
         while pos + 16 <= len(reply):
