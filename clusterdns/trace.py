@@ -12,11 +12,8 @@ so trace can never disagree with what is applied) and the endpoints.
 """
 from __future__ import annotations
 
-import ipaddress
 import re
-import shlex
-from dataclasses import replace
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
 import dns.flags
 import dns.message
@@ -25,7 +22,6 @@ import dns.rdatatype
 
 from .config import Config
 from .dns import resolvconf
-from .model import EXTERNAL_NAME
 from .state import ClusterState
 
 SCHEMA = "clusterdns.trace/v1"

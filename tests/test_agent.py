@@ -185,7 +185,6 @@ def test_dns_programming_duration_observed_when_served():
 # ---------------------------------------------------------------- the running agent
 
 import asyncio  # noqa: E402
-import json  # noqa: E402
 
 import aiohttp  # noqa: E402
 import dns.asyncquery  # noqa: E402

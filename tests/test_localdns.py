@@ -7,11 +7,9 @@ the pod while kube-proxy-style DNAT and REJECT rules for that address exist.
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
