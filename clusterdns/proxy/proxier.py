@@ -167,20 +167,36 @@ class NftablesBackend:
         self.cfg, self.family = cfg, family
         self.exe = NftExecutor(runner, family)
         self.previous = None   # NftState of the last applied transaction
+        self.last_path = ""    # "nft" or "netlink": how the last transaction went in
 
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import nftables
-        previous = None if changed is None else self.previous
-        rs = nftables.render(state, self.cfg, self.family, previous=previous)
+        if changed is None:
+            # Full: recreate the table at start and after any trouble; otherwise
+            # flush and refill it in place (affinity sets keep their entries).
+            rs = nftables.render(state, self.cfg, self.family, previous=self.previous,
+                                 resync=self.previous is not None)
+        else:
+            rs = nftables.render(state, self.cfg, self.family, previous=self.previous, changed=changed)
         if not rs.text.strip():
+            self.previous = rs.state
             return SyncOutcome()
         try:
-            await self.exe.apply(rs.text)
+            if rs.full:
+                await self.exe.apply(rs.text)
+                self.last_path = "nft"
+            else:
+                self.last_path = await self.exe.apply_small(rs.text)
         except ApplyError:
             self.previous = None
             raise
+        log.debug("nftables IPv%d: %s transaction of %d statements applied via %s", self.family,
+                  "full" if rs.full else "incremental", rs.changes, self.last_path)
         self.previous = rs.state
         return SyncOutcome()
+
+    def reset(self) -> None:
+        self.previous = None
 
     async def canary_ok(self) -> bool:
         return await self.exe.table_exists()
@@ -334,6 +350,8 @@ class Proxier:
                     log.warning("%s canary missing (IPv%d): tables were flushed; full sync",
                                 backend.__class__.mode, fam)
                     full = True
+                    for b in self.backends.values():
+                        getattr(b, "reset", lambda: None)()
                     break
         start = time.perf_counter()
         outcomes = {}

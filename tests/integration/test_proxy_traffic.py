@@ -95,6 +95,8 @@ def test_removed_endpoint_leaves_rotation_and_conntrack(proxy, cluster):
         for sp in range(43000, 43040):
             fresh += cluster.connect("client", "udp", DNS_IP, 53, 1, sport=sp).answers
         assert {a[0] for a in fresh} == set(keep)
+        if proxy.mode == "nftables":   # the small change went in as a netlink batch, not nft -f
+            assert "incremental transaction" in proxy.logs() and "via netlink" in proxy.logs()
     finally:
         write_manifest(proxy.path, manifest())
         time.sleep(0.6)

@@ -147,3 +147,39 @@ def test_real_ipvs_needs_the_kernel_module(netns):
     out = subprocess.run(["ip", "netns", "exec", netns, "ipvsadm", "-S", "-n"], capture_output=True, text=True)
     assert "10.96.0.1:443" in out.stdout
     run(exe.clear())
+
+
+def test_netlink_only_for_real_runners():
+    assert NftExecutor(RecordingRunner()).netlink_netns is False
+    assert NftExecutor(SubprocessRunner()).netlink_netns is None
+    assert NftExecutor(SubprocessRunner(["ip", "netns", "exec", "x"])).netlink_netns == "x"
+    assert NftExecutor(SubprocessRunner(["nsenter", "-t", "1"])).netlink_netns is False
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft")
+def test_small_transaction_goes_over_netlink(netns):
+    import dataclasses
+
+    from clusterdns.config import load
+    from clusterdns.proxy import nftables
+    from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+    from clusterdns.state import StateStore
+
+    cfg = load(["proxy", "--manifest", DEMO_MANIFEST, "--node-ip", "192.168.49.2", "--node-name", "node-a",
+                "--cluster-cidr", "10.161.0.0/16"], env={})
+    store = StateStore()
+    publish(store, load_files([DEMO_MANIFEST])[0])
+    exe = NftExecutor(SubprocessRunner(["ip", "netns", "exec", netns]), 4)
+    full = nftables.render(store.current, cfg, 4)
+    run(exe.apply(full.text))
+    sl = store.current.slices[("kube-system", "kube-dns-7fz8q")]
+    ep = dataclasses.replace(sl.endpoints[0], addresses=("10.161.0.99",))
+    store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=(ep,) + sl.endpoints[1:]))
+    small = nftables.render(store.current, cfg, 4, previous=full.state, changed={("kube-system", "kube-dns")})
+    assert run(exe.apply_small(small.text)) == "netlink"
+    listing = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "table", "ip", "kube-proxy"],
+                             capture_output=True, text=True).stdout
+    assert "dnat to 10.161.0.99:53" in listing
+    # The state now equals a fresh full render of it.
+    again = nftables.render(store.current, cfg, 4, previous=small.state)
+    assert not again.text.strip()
