@@ -396,8 +396,13 @@ class Engine:
     def _entry_for(self, raw_labels: tuple[bytes, ...], ans: Answer) -> Entry:
         lower = tuple(l.lower() for l in raw_labels)
         flags = QR | AA | ans.rcode
-        variants = rotations(ans.answer) if len(ans.answer) > 1 else [ans.answer]
-        bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in variants]
+        answer = ans.answer
+        first = pack_body(lower, answer, ans.authority, ans.additional)
+        bodies = [first]
+        if len(answer) > 1:
+            bodies = _rotated(first) if not ans.authority and not ans.additional else None
+            if bodies is None:
+                bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in rotations(answer)]
         negative = not ans.answer and len(ans.authority) == 1 and not ans.additional
         return Entry(flags, bodies, ans.cacheable, ans.dep, self._view_serial(ans) if negative else None)
 
@@ -524,6 +529,30 @@ class Engine:
                 return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)]
         return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)
                 for body in xfr.transfer_bodies(view, zone, q.raw_labels)]
+
+
+def _rotated(body: Body) -> list[Body] | None:
+    """wire.rotations() of an answer of address records owned by the question name, made by
+    reordering the packed records (each is the same bytes wherever it stands: a pointer to the
+    question, then fixed fields); None when the answer is not of that shape."""
+    data, ends = body.data, body.ends
+    chunks, start = [], 0
+    for end in ends:
+        rec = data[start:end]
+        if rec[:2] != b"\xc0\x0c" or rec[2:4] not in (b"\x00\x01", b"\x00\x1c"):
+            return None
+        chunks.append(rec)
+        start = end
+    n = len(chunks)
+    size = len(chunks[0])
+    if any(len(c) != size for c in chunks):
+        return None
+    v = min(n, 8)
+    out = []
+    for i in range(v):
+        k = i * n // v
+        out.append(Body(b"".join(chunks[k:] + chunks[:k]), body.ends, n, 0, 0))
+    return out
 
 
 def _svc_nx(view: ZoneView, rest: Labels) -> bool:

@@ -155,6 +155,7 @@ class ZoneView:
         forward = [z for z in zones if not names.is_reverse(z)]
         self.primary: Labels = forward[0] if forward else zones[0]
         self.memo: dict[bytes, object] = {}
+        self._soas: dict[Labels, RR] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None
         # earlier versions' prebuilt answers, newest first: the engine takes over those still true
@@ -321,10 +322,14 @@ class ZoneView:
     # --- records -----------------------------------------------------------------------
 
     def soa(self, zone: Labels) -> RR:
-        z = label(zone)
-        return RR(z, SOA, ttl=min(self.ttl, 300), rdata=RD_SOA(
-            label(("ns", "dns") + zone), label(("hostmaster",) + zone),
-            (self.serial, 7200, 1800, 86400, self.ttl)))
+        """The zone's SOA (one object per zone and view: records are only ever packed, never changed)."""
+        rr = self._soas.get(zone)
+        if rr is None:
+            z = label(zone)
+            rr = self._soas[zone] = RR(z, SOA, ttl=min(self.ttl, 300), rdata=RD_SOA(
+                label(("ns", "dns") + zone), label(("hostmaster",) + zone),
+                (self.serial, 7200, 1800, 86400, self.ttl)))
+        return rr
 
     def _addr(self, owner: DNSLabel, ips, qtype: int) -> list[RR]:
         if qtype == A:

@@ -574,6 +574,28 @@ def test_udp_never_exceeds_1232(h):
     assert sum(len(r) for r in dns.message.from_wire(reply).answer) == 200
 
 
+@pytest.mark.parametrize("n,qtype", [(2, "A"), (3, "A"), (10, "A"), (40, "A"), (9, "AAAA")])
+def test_rotations_by_reordering_equal_packing_each_rotation(h, n, qtype):
+    from clusterdns.dns import names
+    from clusterdns.dns.wire import pack_body, rotations
+    v6 = qtype == "AAAA"
+    state = h.make_state([
+        ("Service", Service("ns", "big", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "big-1", "big", address_type="IPv6" if v6 else "IPv4",
+                                        endpoints=tuple(Endpoint((f"fd00::{i + 1:x}" if v6 else f"10.3.0.{i + 1}",))
+                                                        for i in range(n)))),
+    ])
+    engine = h.make_engine(state)
+    raw = (b"Big", b"ns", b"svc", b"cluster", b"local")
+    ans = engine.view.lookup(names.split_name("big.ns.svc.cluster.local"), getattr(QTYPE, qtype))
+    entry = engine._entry_for(raw, ans)
+    lower = tuple(x.lower() for x in raw)
+    expected = [pack_body(lower, v) for v in rotations(ans.answer)]
+    assert len(entry.bodies) == min(n, 8)
+    assert [(b.data, b.ends, b.an, b.ns, b.ar) for b in entry.bodies] == [
+        (b.data, b.ends, b.an, b.ns, b.ar) for b in expected]
+
+
 def test_loadbalance_rotates_addresses(h):
     engine = h.make_engine(big_headless(h, 10))
     firsts, sets = set(), set()
