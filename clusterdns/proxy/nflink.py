@@ -63,6 +63,15 @@ _ADDR_SET_UDATA = bytes.fromhex("000402000000")
 # the set userdata nft writes for `numgen ... vmap { }`: host byte order integer keys, verdict data
 _NUMGEN_MAP_UDATA = bytes.fromhex("000401000000" "010400000000" "04080004010000000100" "060400000000")
 
+# ... and for the anonymous interval set of `ip[6] saddr != { CIDR, ... }` (key typeof ip[6] saddr, auto-merge)
+_SADDR_SET_UDATA = {
+    4: bytes.fromhex("000402000000" "020401000000" "0314" "000407000000" "010c" "00040c000000" "01040b000000"),
+    6: bytes.fromhex("000402000000" "020401000000" "0314" "000407000000" "010c" "00040d000000" "010408000000"),
+}
+NFT_SET_INTERVAL = 0x4
+NFT_SET_ELEM_INTERVAL_END = 0x1
+NFT_LOOKUP_F_INV = 0x1
+
 CLONE_NEWNET = 0x40000000
 TABLE = "kube-proxy"
 PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
@@ -171,6 +180,7 @@ class _Batch:
         self.next_set_id = 1
         self.family: int | None = None
         self.set_ids: dict[str, int] = {}    # named sets created in this batch: rules refer to them by id too
+        self.current_line = 0
 
     def add(self, kind: int, flags: int, body: bytes, line: int) -> None:
         self.msgs.append(_Msg(kind, flags, body, line))
@@ -286,6 +296,12 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
                 i += 3
                 last_was_addr = False
                 continue
+            if value == "{" and neg and rest[1] == "saddr" and "}" in rest:
+                # `ip saddr != { CIDR, ... }`: LoadBalancerSourceRanges
+                close = rest.index("}")
+                exprs.append(_saddr_not_in(batch, family, " ".join(rest[4:close])))
+                i += close + 1
+                continue
             if value.startswith(("@", "{")) or value == "!=":
                 raise Unsupported(f"set match {value}")
             if last_was_addr:
@@ -373,6 +389,52 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
     batch.add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, _fam_hdr(_nfproto(family)) + b"".join(attrs), line)
 
 
+def _saddr_not_in(batch: _Batch, family: int, items: str) -> bytes:
+    """An anonymous constant interval set of networks, and the inverted lookup in it, as nft sends them.
+
+    Only disjoint, non-adjacent ranges that neither start at the lowest address nor end
+    at the highest: nft merges or encodes the others differently.
+    """
+    bits = 32 if family == 4 else 128
+    if "," not in items:
+        return _addr_match("saddr", True, items.strip(), family)   # nft drops a one-element set
+    ranges = []
+    for item in items.split(","):
+        try:
+            net = ipaddress.ip_network(item.strip(), strict=True)
+        except ValueError:
+            raise Unsupported(f"not a network: {item.strip()}") from None
+        if net.version != family:
+            raise Unsupported(f"network {net} is not IPv{family}")
+        start = int(net.network_address)
+        ranges.append((start, start + net.num_addresses))
+    ranges.sort()
+    if not ranges or ranges[0][0] == 0 or ranges[-1][1] >= 1 << bits:
+        raise Unsupported("range at the edge of the address space")
+    if any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:])):
+        raise Unsupported("overlapping or adjacent ranges (nft merges them)")
+    size = bits // 8
+
+    def elem(value: int, end: bool) -> bytes:
+        flags = [_u32(3, NFT_SET_ELEM_INTERVAL_END)] if end else []
+        return _nest(1, *flags, _value(1, value.to_bytes(size, "big")))
+
+    elems = [elem(0, True)]
+    for start, end in ranges:
+        elems += [elem(start, False), elem(end, True)]
+    set_id = batch.next_set_id
+    batch.next_set_id += 1
+    hdr = _fam_hdr(_nfproto(family))
+    batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
+        _str(1, TABLE), _str(2, "__set%d"), _u32(3, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_INTERVAL),
+        _u32(4, NFT_TYPE_IPADDR if family == 4 else NFT_TYPE_IP6ADDR), _u32(5, size), _u32(10, set_id),
+        _nest(9, _u32(1, len(elems))), _attr(13, _SADDR_SET_UDATA[family]))), batch.current_line)
+    batch.add(NEWSETELEM, NLM_F_CREATE, hdr + b"".join((
+        _str(1, TABLE), _str(2, "__set%d"), _u32(4, set_id), _nest(3, *elems))), batch.current_line)
+    return (_payload(NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, size)
+            + _expr("lookup", _u32(2, NFT_REG_1), _str(1, "__set%d"), _u32(4, set_id), _u32(5, NFT_LOOKUP_F_INV)))
+
+
 def _set_ref(batch: _Batch, name: str, id_attr: int) -> list[bytes]:
     """The set id attribute when the set is created in this batch (the kernel finds it by name otherwise)."""
     set_id = batch.set_ids.get(name)
@@ -392,6 +454,7 @@ def _line(batch: _Batch, text: str, index: int) -> None:
     if not m:
         raise Unsupported(f"statement {text[:40]!r}")
     verb, obj, famword, name, rest = m.groups()
+    batch.current_line = index
     family = _family_of(famword)
     if batch.family is None:
         batch.family = family

@@ -37,6 +37,7 @@ def test_supported_forms():
         f'add rule {T} ext fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"',
         f"add rule {T} ext goto svc",
         f"add rule {T} fw drop",
+        f"add rule {T} fw ip saddr != {{ 203.0.113.0/25, 198.51.100.9, 192.0.2.0/24 }} drop",
         f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 : goto svc }}",
         f'add element {T} no-endpoint-services {{ 10.96.0.2 . udp . 53 comment "ns/svc:dns" : goto reject-chain }}',
         f'add element {T} no-endpoint-nodeports {{ tcp . 30001 comment "ns/svc:http" : drop }}',
@@ -67,7 +68,13 @@ def test_supported_forms():
     f"add rule {T} c ip saddr != @affinity-A goto x",
     f"add rule {T} c update @affinity-A {{ ip daddr }}",
     f"add rule {T} c update",
-    f"add rule {T} fw ip saddr != {{ 203.0.113.0/25 }} drop",
+    f"add rule {T} fw ip saddr != {{ 203.0.113.0/25, 203.0.113.128/25 }} drop",   # adjacent: nft merges
+    f"add rule {T} fw ip saddr != {{ 203.0.113.0/24, 203.0.113.128/25 }} drop",   # overlapping
+    f"add rule {T} fw ip saddr != {{ 0.0.0.0/2, 192.0.2.0/24 }} drop",      # starts at the lowest address
+    f"add rule {T} fw ip saddr != {{ 192.0.2.0/24, 255.0.0.0/8 }} drop",    # ends at the highest
+    f"add rule {T} fw ip saddr {{ 203.0.113.0/25 }} drop",
+    f"add rule {T} fw ip daddr != {{ 203.0.113.0/25 }} drop",
+    f"add rule {T} fw ip saddr != {{ fd00::/64, 192.0.2.0/24 }} drop",
     f"add rule {T} c ip daddr . meta l4proto . th dport vmap @service-ips",
     f"add rule {T} c ct state new jump x",
     f"add rule {T} c masquerade fully-random",
@@ -241,6 +248,9 @@ def _steps():
     yield "firewalled service added", recs
     recs = edit(recs, ("fw", "guarded"), lambda s: replace(s, endpoints=s.endpoints + (Endpoint(("10.4.0.2",)),)))
     yield "firewalled endpoint added", recs
+    recs = [(k, replace(r, lb_source_ranges=("203.0.113.0/25", "192.0.2.0/24", "198.51.100.77/32"))
+             if k == "Service" and r.name == "guarded" else r) for k, r in recs]
+    yield "source ranges changed", recs
 
 
 def _keys(records):
@@ -284,8 +294,7 @@ def test_incremental_batches_match_nft(pair):
                   "ClusterIP becomes NodePort", "endpoints back", "affinity service added",
                   "affinity endpoint removed"):
         assert label in sent
-    # LoadBalancerSourceRanges (an anonymous interval set) go through nft -f
-    assert "firewalled service added" not in sent
+    assert {"firewalled service added", "firewalled endpoint added", "source ranges changed"} <= set(sent)
     # and the result is what a full render gives (which creates objects in another order)
     nft(b, nftables.render(state_from_records(steps[-1][1]), CFG).text)
     assert _blocks(listing(a)) == _blocks(listing(b))
@@ -409,3 +418,70 @@ def test_ipv6_batches_match_nft(pair):
         assert _blocks(listing(a, "ip6")) == _blocks(listing(b, "ip6"))
         assert listing(a, "ip6") == listing(b, "ip6")
         assert bytecode(a, "ip6") == bytecode(b, "ip6")
+
+
+@needs_netns
+@pytest.mark.parametrize("family", [4, 6])
+def test_each_form_matches_nft(pair, family):
+    """Every rule and element form, including ones the step sequence does not reach, in both families."""
+    a, b = pair
+    fam, ipx = ("ip6", "ip6") if family == 6 else ("ip", "ip")
+    t = f"{fam} kube-proxy"
+    empty = nftables.render(state_from_records([]), CFG6, family)
+    nft(a, empty.text)
+    nft(b, empty.text)
+    if family == 4:
+        host, net, odd, addr2, ranges = "10.0.1.3", "10.0.0.0/8", "10.96.0.0/12", "10.96.0.2", \
+            "203.0.113.0/25, 198.51.100.9, 192.0.2.0/24"
+        target = "10.0.1.3:8080"
+    else:
+        host, net, odd, addr2, ranges = "fd00:161::3", "fd00:161::/64", "fd00:20::/108", "fd00:20::2", \
+            "2001:db8::/64, 2001:db8:1::7, 2001:db8:2::/48"
+        target = "[fd00:161::3]:8080"
+    aff = "affinity-ABCDEFGH-ns/svc/udp/dns__x/53"
+    text = textwrap.dedent(f"""\
+        add chain {t} svc
+        add chain {t} ep
+        add chain {t} ep2
+        add chain {t} fw
+        add set {t} {aff} {{ type {"ipv6_addr" if family == 6 else "ipv4_addr"} ; flags dynamic,timeout ; timeout 60s ; }}
+        add rule {t} svc {ipx} daddr {addr2} udp dport 53 {ipx} saddr != {net} jump mark-for-masquerade
+        add rule {t} svc {ipx} daddr {addr2} sctp dport 9 {ipx} saddr {odd} jump mark-for-masquerade
+        add rule {t} svc {ipx} saddr @{aff} goto ep
+        add rule {t} svc numgen random mod 3 vmap {{ 0 : goto ep , 1 : goto ep2 , 2 : goto ep }}
+        add rule {t} ep {ipx} saddr {host} jump mark-for-masquerade
+        add rule {t} ep update @{aff} {{ {ipx} saddr }}
+        add rule {t} ep meta l4proto udp dnat to {target}
+        add rule {t} ep2 {ipx} saddr {net} goto ep comment "short-circuit pod traffic"
+        add rule {t} ep2 fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"
+        add rule {t} ep2 meta l4proto sctp
+        add rule {t} ep2 accept
+        add rule {t} fw {ipx} saddr != {{ {ranges} }} drop
+        add rule {t} fw {ipx} saddr != {{ {net} }} drop
+        add element {t} service-ips {{ {addr2} . udp . 53 : goto svc }}
+        add element {t} firewall-ips {{ {addr2} . sctp . 9 comment "ns/svc:x" : goto fw }}
+        add element {t} no-endpoint-services {{ {addr2} . tcp . 1 comment "ns/svc:y" : drop }}
+        add element {t} service-nodeports {{ udp . 30053 : jump ep }}
+        add element {t} no-endpoint-nodeports {{ tcp . 30054 comment "ns/svc:y" : goto reject-chain }}
+        add element {t} cluster-ips {{ {addr2} }}
+        """)
+    assert nflink.supported(text)
+    nflink.apply(text, family, netns=a)
+    nft(b, text)
+    assert listing(a, fam) == listing(b, fam)
+    assert bytecode(a, fam) == bytecode(b, fam)
+    undo = textwrap.dedent(f"""\
+        delete element {t} service-ips {{ {addr2} . udp . 53 }}
+        delete element {t} firewall-ips {{ {addr2} . sctp . 9 }}
+        delete element {t} service-nodeports {{ udp . 30053 }}
+        delete element {t} cluster-ips {{ {addr2} }}
+        flush chain {t} svc
+        flush chain {t} ep
+        flush chain {t} ep2
+        delete chain {t} ep
+        delete set {t} {aff}
+        """)
+    nflink.apply(undo, family, netns=a)
+    nft(b, undo)
+    assert listing(a, fam) == listing(b, fam)
+    assert bytecode(a, fam) == bytecode(b, fam)
