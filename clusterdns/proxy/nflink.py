@@ -359,10 +359,12 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
             if not 0 < mod == len(entries):
                 raise Unsupported("numgen map does not cover its modulus")
             elems = []
+            seen: set[str] = set()
             for entry in entries:
                 k, sep, v = entry.partition(" : ")
-                if not sep or not k.isdigit() or int(k) >= mod:
+                if not sep or not k.isdigit() or int(k) >= mod or k in seen or k != str(int(k)):
                     raise Unsupported(f"vmap entry {entry!r}")
+                seen.add(k)
                 code, target = _verdict_of(v)
                 elems.append(_nest(1, _value(1, struct.pack("=I", int(k))), _verdict(2, code, target)))
             set_id = batch.next_set_id

@@ -83,6 +83,7 @@ def test_supported_forms():
     f"add rule {T} c meta l4proto tcp dnat to [fd00::1]:80",            # v6 target in an ip table
     f"add rule {T} c dnat to 10.0.0.1:80",                              # no protocol before it
     f"add rule {T} c numgen random mod 3 vmap {{ 0 : goto a , 1 : goto b }}",
+    f"add rule {T} c numgen random mod 2 vmap {{ 0 : goto a , 0 : goto b }}",
     f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 }}",           # a map element without data
     f"add element {T} cluster-ips {{ 10.96.0.2 : goto x }}",
     f"add element {T} service-ips {{ 10.96.0.2 . icmp . 80 : goto x }}",
