@@ -153,8 +153,10 @@ class ManifestSource:
         except OSError:
             return ()
 
-    def load(self) -> bool:
-        """(Re)load changed files and publish; True if anything was published."""
+    def load(self, strict: bool = False) -> bool:
+        """(Re)load changed files and publish; True if anything was published.
+
+        strict: a file that cannot be read raises ManifestError (the first load of a command)."""
         changed = False
         for path in self.paths:
             stamp = self._stat(path)
@@ -164,6 +166,8 @@ class ManifestSource:
             try:
                 records, skipped = records_from_documents(read_documents(path), path)
             except ManifestError as exc:
+                if strict:
+                    raise
                 if str(self.errors.get(path)) != str(exc):
                     log.error("manifest %s; keeping the last good state", exc)
                 self.errors[path] = exc

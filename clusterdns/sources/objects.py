@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from datetime import datetime
 from typing import Any, Callable
 
@@ -53,6 +54,12 @@ def _type_name(kind: type | tuple) -> str:
 def _ip(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise InvalidObject(f"{where}: IP address must be a string, got {type(value).__name__} {value!r}"[:200])
+    try:
+        # The common case, ~20x cheaper than ipaddress: strict dotted-quad IPv4 already in canonical form.
+        if socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, value)) == value:
+            return value
+    except OSError:
+        pass
     try:
         return str(ipaddress.ip_address(value.strip()))
     except ValueError:
@@ -226,7 +233,7 @@ def endpointslice_from_dict(obj: dict) -> EndpointSlice:
         else:
             addresses = tuple(_ip(a, f"{where}.addresses[{j}]") for j, a in enumerate(addrs))
             want = 4 if atype == IPV4 else 6
-            if any(ipaddress.ip_address(a).version != want for a in addresses):
+            if any((6 if ":" in a else 4) != want for a in addresses):   # canonical forms: IPv6 has ":"
                 raise InvalidObject(f"{where}.addresses: not of addressType {atype}")
         conds = _get(ep, "conditions", dict, {}, where=where)
         ready = _condition(conds, "ready", where)
