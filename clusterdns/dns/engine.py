@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import struct
 from typing import Callable, Protocol
 
@@ -24,8 +25,8 @@ from . import names, resolvconf, xfr
 from .names import Labels
 from .cache import cache_key
 from .cache import _with_ttl as records_with_ttl
-from .wire import (AA, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE, QR,
-                   REFUSED, SERVFAIL, TC, Body, Entry, opt_record, pack_body, qname_labels, question_end, render,
+from .wire import (AA, AAAA, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE, QR,
+                   REFUSED, SERVFAIL, TC, A, Body, Entry, opt_record, pack_body, qname_labels, question_end, render,
                    rotations, ttl_offsets, udp_limit, with_ttl)
 from .zone import Answer, ZoneView
 from .zone import label as zone_label
@@ -102,9 +103,9 @@ class Engine:
         self._fcache = getattr(self.forwarder, "cache", None)
         self._probes = getattr(self.forwarder, "_probes", None) or {}
         self._fwd: dict[bytes, _Forwarded] = {}
-        # NXDOMAIN answers under svc.<zone> of the current view, by (zone, offset of the zone)
+        # the SOA authority under svc.<zone> of the current view, by (zone, offset of the zone)
         self._nx_view: ZoneView | None = None
-        self._nx_entries: dict[tuple, Entry] = {}
+        self._nx_entries: dict[tuple, Body] = {}
 
     # --- state -------------------------------------------------------------------------
 
@@ -207,13 +208,10 @@ class Engine:
             # position of the zone in the question; pointers only aim at the zone's labels
             if self.cfg.autopath or (self._fall is not None and self._falls_through(labels)):
                 return None
-            if self._nx_view is not view:
-                self._nx_view, self._nx_entries = view, {}
-            at = (zone, end + 1 - sum(len(l) + 2 for l in zone))
-            entry = self._nx_entries.get(at)
-            if entry is None:
-                entry = self._nx_entries[at] = Entry(QR | AA | NXDOMAIN, [pack_body(
-                    tuple(l.lower() for l in raw), (), [view.soa(zone)])], True, None, view.serial)
+            entry = Entry(QR | AA | NXDOMAIN, [self._soa_body(view, zone, raw, end)], True, None, view.serial)
+        elif k == 3 and (qtype == A or qtype == AAAA) and labels[2] == "svc" and not names.is_reverse(zone) \
+                and (entry := self._service_addresses(view, zone, raw, end, qtype)) is not None:
+            pass
         else:
             ans = view.lookup(labels, qtype)
             if ans.chase is not None or (ans.rcode == NXDOMAIN and (
@@ -227,6 +225,40 @@ class Engine:
             memo.clear()
         memo[key] = entry
         return entry
+
+    def _soa_body(self, view: ZoneView, zone: Labels, raw: tuple[bytes, ...], end: int) -> Body:
+        """The zone's SOA as the authority of a name under svc.<zone>: its names compress only
+        onto the zone's labels in the question, so the bytes depend on where the zone starts."""
+        if self._nx_view is not view:
+            self._nx_view, self._nx_entries = view, {}
+        at = (zone, end - sum(len(l) + 1 for l in zone))
+        body = self._nx_entries.get(at)
+        if body is None:
+            body = self._nx_entries[at] = pack_body(tuple(l.lower() for l in raw), (), [view.soa(zone)])
+        return body
+
+    def _service_addresses(self, view: ZoneView, zone: Labels, raw: tuple[bytes, ...], end: int,
+                           qtype: int) -> Entry | None:
+        """<svc>.<ns>.svc A/AAAA of a ClusterIP or headless Service, packed directly (what
+        lookup() + packing give: records owned by the question, so a pointer to it, then fixed
+        fields; NODATA with the SOA); None for anything else."""
+        sd = view.service(raw[1].lower().decode("latin-1"), raw[0].lower().decode("latin-1"))
+        if sd is None or sd.kind == "external":
+            return None
+        v6 = qtype == AAAA
+        if sd.kind == "cluster":
+            ips = [ip for ip in sd.svc.cluster_ips if (":" in ip) == v6]
+        else:
+            ips = sd.ready_ips(v6)
+        dep = (sd.svc.key, sd)
+        if not ips:
+            return Entry(QR | AA, [self._soa_body(view, zone, raw, end)], True, dep, view.serial)
+        fam, size = (socket.AF_INET6, 16) if v6 else (socket.AF_INET, 4)
+        head = b"\xc0\x0c" + struct.pack(">HHIH", qtype, 1, view.ttl, size)
+        chunks = [head + socket.inet_pton(fam, ip) for ip in ips]
+        step = len(head) + size
+        body = Body(b"".join(chunks), tuple(step * (i + 1) for i in range(len(chunks))), len(chunks), 0, 0)
+        return Entry(QR | AA, _rotated(body) if len(chunks) > 1 else [body], True, dep, None)
 
     def _fast_forwarded(self, key: bytes, data: bytes, qend: int, opt: bytes, limit: int) -> bytes | None:
         """A forwarded answer still fresh in the cache: counted as a cache hit, TTLs counted down."""

@@ -596,6 +596,32 @@ def test_rotations_by_reordering_equal_packing_each_rotation(h, n, qtype):
         (b.data, b.ends, b.an, b.ns, b.ar) for b in expected]
 
 
+@pytest.mark.parametrize("source", ["demo", "synthetic"])
+def test_service_addresses_packed_directly_equal_the_lookup(demo_state, h, source):
+    from clusterdns.dns import names
+    from clusterdns.synthetic import synthetic_records
+    state = demo_state if source == "demo" else h.make_state(synthetic_records(300, 4, headless_every=3))
+    engine = h.make_engine(state, ttl=17)
+    view = engine.view
+    checked = 0
+    for ns, name in state.services:
+        for qtype in (QTYPE.A, QTYPE.AAAA):
+            qname = f"{name}.{ns}.svc.cluster.local"
+            raw = tuple(x.encode() for x in qname.split("."))
+            direct = engine._service_addresses(view, ("cluster", "local"), raw, 12 + len(qname) + 1, qtype)
+            ans = view.lookup(names.split_name(qname), qtype)
+            if direct is None:
+                assert ans.rcode == dns.rcode.NXDOMAIN or (ans.answer and ans.answer[0].rtype == QTYPE.CNAME)
+                continue
+            built = engine._entry_for(raw, ans)
+            assert (direct.flags, direct.cacheable, direct.dep, direct.serial) == (
+                built.flags, built.cacheable, built.dep, built.serial)
+            assert [(b.data, b.ends, b.an, b.ns, b.ar) for b in direct.bodies] == [
+                (b.data, b.ends, b.an, b.ns, b.ar) for b in built.bodies]
+            checked += 1
+    assert checked >= (10 if source == "demo" else 600)
+
+
 def test_loadbalance_rotates_addresses(h):
     engine = h.make_engine(big_headless(h, 10))
     firsts, sets = set(), set()
