@@ -261,6 +261,74 @@ class NftExecutor:
 IPVS_DEVICE = "kube-ipvs0"
 
 
+def _ipvs_table(text: str) -> dict[tuple[str, str], tuple[str, dict[str, str]]]:
+    """{(proto flag, VIP:port): (service line, {real server: real line})} from
+    ipvsadm-restore input or `ipvsadm -S -n` output."""
+    out: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3 or parts[0] not in ("-A", "-a"):
+            continue
+        key = (parts[1], parts[2])
+        if parts[0] == "-A":
+            out[key] = (" ".join(parts), out.get(key, ("", {}))[1])
+        elif "-r" in parts:
+            real = parts[parts.index("-r") + 1]
+            out.setdefault(key, ("", {}))[1][real] = " ".join(parts)
+    return out
+
+
+def ipvs_diff(current: str, desired: str, ours: set[str] | None = None) -> str:
+    """ipvsadm-restore input turning `current` into `desired`, touching only
+    virtual servers in `desired` or on addresses in `ours` (kube-ipvs0's).
+
+    ipvsadm-restore only adds, so re-applying a whole table fails on the
+    first existing service; this edits in place instead (-E/-e keep the
+    connections of services that stay)."""
+    have, want = _ipvs_table(current), _ipvs_table(desired)
+    ours = ours or set()
+    out: list[str] = []
+    for key, (_, reals) in have.items():
+        if key not in want and key[1].rsplit(":", 1)[0].strip("[]") in ours:
+            out.append(f"-D {key[0]} {key[1]}")
+    for key, (svc_line, reals) in want.items():
+        if key not in have:
+            out.append(svc_line)
+            out += list(reals.values())
+            continue
+        old_line, old_reals = have[key]
+        if svc_line.split() != old_line.split():
+            out.append("-E" + svc_line[2:])
+        for real in old_reals.keys() - reals.keys():
+            out.append(f"-d {key[0]} {key[1]} -r {real}")
+        for real, line in reals.items():
+            if real not in old_reals:
+                out.append(line)
+            elif line.split() != old_reals[real].split():
+                out.append("-e" + line[2:])
+    return "".join(line + "\n" for line in out)
+
+
+def drop_present_inserts(text: str, save_text: str) -> str:
+    """Remove `-I CHAIN spec` lines whose rule `-A CHAIN spec` is already in iptables-save output,
+    so re-applying a text that inserts jumps never duplicates them."""
+    present: set[tuple[str, str]] = set()
+    table = ""
+    for line in save_text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith("-A "):
+            present.add((table, line[3:]))
+    out, table = [], ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        if line.startswith("-I ") and (table, line[3:]) in present:
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 class IpvsExecutor:
     """Applies an ipvs.IpvsConfig: the kube-ipvs0 device and its addresses, ipsets,
     IPVS virtual/real servers (ipvsadm-restore) and the few iptables rules.
@@ -292,13 +360,20 @@ class IpvsExecutor:
             await self.runner.run(["ip", "addr", "del", f"{ip}/{plen}", "dev", IPVS_DEVICE])
 
     async def apply(self, config) -> None:
-        """config: an ipvs.IpvsConfig (ipvsadm, ipsets, iptables texts and the addresses)."""
+        """config: an ipvs.IpvsConfig (ipvsadm, ipsets, iptables texts and the addresses).
+
+        Re-applicable: IPVS services are edited in place against `ipvsadm -S -n`,
+        and jumps the iptables text inserts are skipped when already there."""
         await self.ensure_device(config.addresses)
         if config.ipsets:
             _check(await self.runner.run(["ipset", "restore", "-exist"], config.ipsets))
-        _check(await self.runner.run(["ipvsadm-restore"], config.ipvsadm))
+        current = _check(await self.runner.run(["ipvsadm", "-S", "-n"])).stdout
+        changes = ipvs_diff(current, config.ipvsadm, set(config.addresses))
+        if changes:
+            _check(await self.runner.run(["ipvsadm-restore"], changes))
         if config.iptables:
-            await self.iptables.restore(config.iptables)
+            save = await self.iptables.save("nat") + await self.iptables.save("filter")
+            await self.iptables.restore(drop_present_inserts(config.iptables, save))
 
     async def clear(self) -> None:
         """Remove our IPVS state: virtual servers on kube-ipvs0's addresses, the device, our ipsets."""

@@ -92,7 +92,48 @@ def test_ipvs_apply_sequence():
     assert cmds[:3] == ["ip link show kube-ipvs0", "ip link add kube-ipvs0 type dummy", "ip link set kube-ipvs0 up"]
     assert "ip addr add 10.96.0.1/32 dev kube-ipvs0" in cmds
     assert "ip addr del 10.96.0.9/32 dev kube-ipvs0" in cmds
-    assert cmds[-3:] == ["ipset restore -exist", "ipvsadm-restore", "iptables-nft-restore -w 5 --noflush --counters"]
+    assert cmds[-6:] == ["ipset restore -exist", "ipvsadm -S -n", "ipvsadm-restore", "iptables-nft-save -t nat",
+                         "iptables-nft-save -t filter", "iptables-nft-restore -w 5 --noflush --counters"]
+    assert runner.calls[-4][1] == "-A -t 10.96.0.1:443 -s rr\n"
+
+
+CURRENT = """-A -t 10.96.0.1:443 -s rr
+-a -t 10.96.0.1:443 -r 10.0.0.5:6443 -m -w 1
+-a -t 10.96.0.1:443 -r 10.0.0.6:6443 -m -w 1
+-A -u 10.96.0.10:53 -s rr
+-a -u 10.96.0.10:53 -r 10.0.1.2:53 -m -w 1
+-A -t 192.168.1.9:80 -s rr
+"""
+
+
+def test_ipvs_diff_edits_in_place_and_spares_others():
+    from clusterdns.proxy.apply import ipvs_diff
+    desired = """-A -t 10.96.0.1:443 -s rr
+-a -t 10.96.0.1:443 -r 10.0.0.6:6443 -m -w 1
+-a -t 10.96.0.1:443 -r 10.0.0.7:6443 -m -w 1
+-A -t 10.96.0.20:80 -s lc
+-a -t 10.96.0.20:80 -r 10.0.2.1:8080 -m -w 1
+"""
+    out = ipvs_diff(CURRENT, desired, ours={"10.96.0.1", "10.96.0.10", "10.96.0.20"}).splitlines()
+    assert out == ["-D -u 10.96.0.10:53",
+                   "-d -t 10.96.0.1:443 -r 10.0.0.5:6443",
+                   "-a -t 10.96.0.1:443 -r 10.0.0.7:6443 -m -w 1",
+                   "-A -t 10.96.0.20:80 -s lc",
+                   "-a -t 10.96.0.20:80 -r 10.0.2.1:8080 -m -w 1"]
+    # 192.168.1.9 is not on kube-ipvs0: someone else's service, left alone.
+    assert not any("192.168.1.9" in line for line in out)
+    assert ipvs_diff(desired, desired, {"10.96.0.1"}) == ""
+    changed = desired.replace("-s lc", "-s rr").replace("10.0.2.1:8080 -m -w 1", "10.0.2.1:8080 -m -w 0")
+    assert ipvs_diff(desired, changed).splitlines() == [
+        "-E -t 10.96.0.20:80 -s rr", "-e -t 10.96.0.20:80 -r 10.0.2.1:8080 -m -w 0"]
+
+
+def test_drop_present_inserts():
+    from clusterdns.proxy.apply import drop_present_inserts
+    text = "*nat\n:KUBE-SERVICES - [0:0]\n-I PREROUTING -j KUBE-SERVICES\n-I OUTPUT -j KUBE-SERVICES\nCOMMIT\n"
+    save = "*filter\n-A OUTPUT -j KUBE-SERVICES\nCOMMIT\n*nat\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n"
+    assert drop_present_inserts(text, save) == (
+        "*nat\n:KUBE-SERVICES - [0:0]\n-I OUTPUT -j KUBE-SERVICES\nCOMMIT\n")
 
 
 # ---------------------------------------------------------------- real tools
@@ -183,3 +224,52 @@ def test_small_transaction_goes_over_netlink(netns):
     # The state now equals a fresh full render of it.
     again = nftables.render(store.current, cfg, 4, previous=small.state)
     assert not again.text.strip()
+
+
+@pytest.mark.skipif(shutil.which("ipset") is None or shutil.which("iptables-nft-restore") is None,
+                    reason="needs ipset and iptables-nft-restore")
+def test_ipvs_apply_twice_without_ipvs_in_the_kernel(netns):
+    """Everything IPVS mode sets up except IPVS itself, for real: the kube-ipvs0
+    device (a bridge here: no dummy type), its addresses, the ipsets and the
+    iptables rules; applied twice, the second time changes nothing."""
+    from clusterdns.config import load
+    from clusterdns.proxy import ipvs
+    from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+    from clusterdns.state import StateStore
+
+    real = SubprocessRunner(["ip", "netns", "exec", netns])
+
+    class NoIpvs:
+        async def run(self, argv, stdin=None):
+            argv = tuple(argv)
+            if argv[0].startswith("ipvsadm"):
+                return Result(argv, 0, "")
+            return await real.run(argv, stdin)
+
+    cfg = load(["proxy", "--manifest", DEMO_MANIFEST, "--node-ip", "192.168.49.2", "--node-name", "node-a",
+                "--cluster-cidr", "10.161.0.0/16", "--proxy-mode", "ipvs"], env={})
+    store = StateStore()
+    publish(store, load_files([DEMO_MANIFEST])[0])
+    config = ipvs.render(store.current, cfg, 4)
+    exe = IpvsExecutor(NoIpvs(), 4, IptablesExecutor(NoIpvs(), 4, "nft"))
+    run(exe.apply(config))
+    first = subprocess.run(["ip", "netns", "exec", netns, "iptables-nft-save"], capture_output=True, text=True).stdout
+    run(exe.apply(config))
+    second = subprocess.run(["ip", "netns", "exec", netns, "iptables-nft-save"], capture_output=True, text=True).stdout
+    strip = lambda t: [l for l in t.splitlines() if not l.startswith("#")]  # noqa: E731
+    assert strip(first) == strip(second)
+    assert sum(1 for l in strip(second) if l.startswith("-A PREROUTING") and "KUBE-SERVICES" in l) == 1
+    addrs = subprocess.run(["ip", "netns", "exec", netns, "ip", "-4", "-o", "addr", "show", "dev", "kube-ipvs0"],
+                           capture_output=True, text=True).stdout
+    assert "172.20.36.232/32" in addrs and len(addrs.splitlines()) == len(config.addresses)
+    sets = subprocess.run(["ip", "netns", "exec", netns, "ipset", "list", "-n"], capture_output=True, text=True).stdout
+    assert "KUBE-CLUSTER-IP" in sets.split()
+    # `clusterdns proxy --cleanup`: the iptables rules first (they hold the sets), then sets and device.
+    from clusterdns.proxy.proxier import cleanup
+    assert "ipvs" in run(cleanup(cfg, NoIpvs()))
+    sets = subprocess.run(["ip", "netns", "exec", netns, "ipset", "list", "-n"], capture_output=True, text=True).stdout
+    assert not [s for s in sets.split() if s.startswith("KUBE-")]
+    assert subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "show", "kube-ipvs0"],
+                          capture_output=True).returncode != 0
+    left = subprocess.run(["ip", "netns", "exec", netns, "iptables-nft-save"], capture_output=True, text=True).stdout
+    assert "KUBE-" not in left
