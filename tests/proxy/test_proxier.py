@@ -4,6 +4,8 @@ import asyncio
 import dataclasses
 import io
 import json
+import os
+import shutil
 import socket
 
 import pytest
@@ -400,3 +402,40 @@ async def test_network_programming_and_no_local_endpoint_metrics():
         total = metric("kubeproxy_network_programming_duration_seconds_sum")
         assert total >= 2.0
         assert metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds") >= changed_at
+
+
+def test_proxy_command_with_a_broken_manifest_exits_2(tmp_path, capsys):
+    from clusterdns.cli import main
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("items: [\n")
+    assert main(["proxy", "--manifest", str(bad), "--dry-run", "--health-listen", "none",
+                 "--metrics-listen", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(bad) in err[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables-legacy-restore") is None,
+                    reason="needs root and iptables-legacy")
+def test_cleanup_removes_rules_of_the_legacy_backend_too():
+    import subprocess
+
+    from clusterdns.proxy import iptables
+    from clusterdns.proxy.apply import SubprocessRunner
+    ns = f"cdn-legacy-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        cfg = cfg_of()
+        store = StateStore()
+        publish(store, demo_records())
+        text = iptables.render(store.current, cfg, 4).text
+        subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-restore", "--noflush"], input=text,
+                       text=True, check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy", "-A", "INPUT", "-p", "tcp", "--dport",
+                        "9999", "-j", "ACCEPT"], check=True)
+        done = asyncio.run(px.cleanup(cfg, SubprocessRunner(["ip", "netns", "exec", ns])))
+        assert "iptables-legacy IPv4" in done
+        left = subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-save"], capture_output=True,
+                              text=True).stdout
+        assert "KUBE-" not in left and "--dport 9999 -j ACCEPT" in left
+    finally:
+        subprocess.run(["ip", "netns", "del", ns])
