@@ -418,9 +418,7 @@ class Agent:
         if task is not None:
             task.cancel()
             await _quiet(task)
-        # StateStore has no unsubscribe: drop the old proxier's subscription by hand.
-        if self.proxier._on_change in self.store._subscribers:
-            self.store._subscribers.remove(self.proxier._on_change)
+        self.store.unsubscribe(self.proxier._on_change)
         self.proxier = None
 
     # -- lifecycle

@@ -99,6 +99,11 @@ class StateStore:
     def subscribe(self, fn: Subscriber) -> None:
         self._subscribers.append(fn)
 
+    def unsubscribe(self, fn: Subscriber) -> None:
+        """Stop calling fn (a consumer that is restarted on reload); unknown fn is ignored."""
+        if fn in self._subscribers:
+            self._subscribers.remove(fn)
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Group writes so they publish as one version."""

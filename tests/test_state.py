@@ -51,3 +51,15 @@ def test_failing_subscriber_does_not_stop_others():
     store.subscribe(lambda o, n, d: got.append(n.version))
     store.upsert("Service", svc("a"))
     assert got == [store.current.version]
+
+
+def test_unsubscribe_stops_calls():
+    store = StateStore()
+    got = []
+    fn = lambda o, n, d: got.append(n.version)  # noqa: E731
+    store.subscribe(fn)
+    store.upsert("Service", svc("a"))
+    store.unsubscribe(fn)
+    store.unsubscribe(fn)   # twice is harmless
+    store.upsert("Service", svc("b", "10.96.0.2"))
+    assert got == [1]
