@@ -337,6 +337,10 @@ class Proxier:
             log.debug("not syncing: Services and EndpointSlices not listed yet")
             return
         now = self.monotonic()
+        if not self.applying and self.syncs and not self._pending and not self._need_full:
+            # Dry run: no kernel to repair, so a periodic sync would only reprint the same text.
+            self.health.updated()
+            return
         changed, self._pending = self._pending, set()
         triggers, self._triggers = self._triggers, {}
         period = FULL_SYNC_PERIOD

@@ -439,3 +439,23 @@ def test_cleanup_removes_rules_of_the_legacy_backend_too():
         assert "KUBE-" not in left and "--dport 9999 -j ACCEPT" in left
     finally:
         subprocess.run(["ip", "netns", "del", ns])
+
+
+async def test_dry_run_prints_again_only_when_something_changed():
+    out = io.StringIO()
+    cfg = load([a for a in BASE if a != "--apply"] + ["--dry-run", "--sync-period", "0.1"], env={})
+    store = StateStore()
+    publish(store, demo_records())
+    proxier = px.Proxier(cfg, store, out=out)
+    task = asyncio.create_task(proxier.run())
+    try:
+        assert await proxier.wait_synced(timeout=3)
+        await asyncio.sleep(0.35)
+        assert out.getvalue().count("# iptables-") == 1
+        sl = store.current.slices[("kube-system", "kube-dns-7fz8q")]
+        store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=sl.endpoints[:1]))
+        assert await proxier.wait_synced(store.current.version, timeout=3)
+        assert out.getvalue().count("# iptables-") == 2
+    finally:
+        await proxier.stop()
+        await asyncio.wait_for(task, 2)
