@@ -226,8 +226,10 @@ class Cluster:
 # ---------------------------------------------------------------- manifest
 
 def service(name, ip, ports, *, type_="ClusterIP", external_ips=(), lb_ip="", ranges=(), local=False,
-            hcnp=0, affinity=False) -> dict:
+            hcnp=0, affinity=False, internal_local=False) -> dict:
     spec = {"type": type_, "clusterIP": ip, "clusterIPs": [ip], "ports": ports}
+    if internal_local:
+        spec["internalTrafficPolicy"] = "Local"
     if external_ips:
         spec["externalIPs"] = list(external_ips)
     if ranges:
@@ -259,7 +261,7 @@ def port(name, proto, number, node_port=0) -> dict:
     return out
 
 
-def slice_(svc, pods, ports, *, not_ready=(), nodes=None, family=4) -> dict:
+def slice_(svc, pods, ports, *, not_ready=(), nodes=None, family=4, terminating=()) -> dict:
     nodes = nodes or {}
     addrs = PODS if family == 4 else PODS6
     return {
@@ -267,7 +269,9 @@ def slice_(svc, pods, ports, *, not_ready=(), nodes=None, family=4) -> dict:
         "metadata": {"name": f"{svc}-x{family}", "namespace": "t",
                      "labels": {"kubernetes.io/service-name": svc}},
         "addressType": f"IPv{family}",
-        "endpoints": [{"addresses": [addrs[p]], "conditions": {"ready": p not in not_ready},
+        "endpoints": [{"addresses": [addrs[p]],
+                       "conditions": {"ready": p not in not_ready and p not in terminating,
+                                      "serving": p not in not_ready, "terminating": p in terminating},
                        "nodeName": nodes.get(p, "node-b"),
                        "targetRef": {"kind": "Pod", "name": p, "namespace": "t"}} for p in pods],
         "ports": ports}
@@ -285,6 +289,7 @@ WEB, DNS_IP, NP_SVC, LOCAL_SVC, STICKY, EMPTY, HAIRPIN, LATE = (
     "172.30.0.20")
 EXTERNAL_IP, LB_IP = "192.0.2.50", "192.0.2.80"
 WEB_DS, WEB_DS6 = "172.30.0.30", "fd00:30::30"
+ITP_LOCAL, ITP_NONE_LOCAL, DRAINING, PART_DRAINING = "172.30.0.40", "172.30.0.41", "172.30.0.42", "172.30.0.43"
 NP_CLUSTER, NP_LOCAL, HCNP = 30080, 30081, 30900
 
 
@@ -309,6 +314,16 @@ def manifest(dns_pods=("pod0", "pod1", "pod2"), late=False) -> dict:
         dual_stack_service("web-ds", (WEB_DS, WEB_DS6), HTTP),
         slice_("web-ds", ready3, HTTP_EP, not_ready=("pod3",)),
         slice_("web-ds", ready3, HTTP_EP, not_ready=("pod3",), family=6),
+        service("itp-local", ITP_LOCAL, HTTP, internal_local=True),
+        slice_("itp-local", ("pod0", "pod1", "pod2"), HTTP_EP, nodes=LOCALITY),
+        service("itp-none-local", ITP_NONE_LOCAL, HTTP, internal_local=True),
+        slice_("itp-none-local", ("pod1", "pod2"), HTTP_EP, nodes=LOCALITY),
+        # every endpoint terminating but still serving: used as a fallback
+        service("draining", DRAINING, HTTP),
+        slice_("draining", ("pod1", "pod2"), HTTP_EP, terminating=("pod1", "pod2")),
+        # ready endpoints exist: the terminating one gets no new connections
+        service("part-draining", PART_DRAINING, HTTP),
+        slice_("part-draining", ("pod0", "pod1", "pod2"), HTTP_EP, terminating=("pod2",)),
         service("hairpin", HAIRPIN, HTTP),
         slice_("hairpin", ("pod0",), HTTP_EP),
     ]

@@ -9,7 +9,8 @@ about a 1-in-60,000 event.
 import pytest
 
 from harness import (
-    DNS_IP, EMPTY, EXT_IPS, EXTERNAL_IP, HAIRPIN, LB_IP, LOCAL_SVC, NODE_IP, NP_CLUSTER, NP_LOCAL, WEB,
+    DNS_IP, DRAINING, EMPTY, EXT_IPS, EXTERNAL_IP, HAIRPIN, ITP_LOCAL, ITP_NONE_LOCAL, LB_IP, LOCAL_SVC,
+    NODE_IP, NP_CLUSTER, NP_LOCAL, PART_DRAINING, WEB,
 )
 
 ALL = frozenset({"pod0", "pod1", "pod2"})
@@ -41,6 +42,13 @@ FLOWS = [
     ("ClusterIP of eTP Local service from pod", "client", "", "tcp", LOCAL_SVC, 80, ok(ALL, False)),
     ("LB IP from allowed source range", "ext", EXT_IPS[0], "tcp", LB_IP, 80, ok(LOCAL, False)),
     ("LB IP from outside the source ranges", "ext", EXT_IPS[1], "tcp", LB_IP, 80, DROPPED),
+    ("iTP Local: only the local endpoint", "client", "", "tcp", ITP_LOCAL, 80, ok(LOCAL, False)),
+    ("iTP Local from node", "node", "", "tcp", ITP_LOCAL, 80, ok(LOCAL, True)),
+    ("iTP Local without a local endpoint: dropped", "client", "", "tcp", ITP_NONE_LOCAL, 80, DROPPED),
+    ("only serving-terminating endpoints: used as a fallback", "client", "", "tcp", DRAINING, 80,
+     ok(frozenset({"pod1", "pod2"}), False)),
+    ("ready endpoints exist: terminating one unused", "client", "", "tcp", PART_DRAINING, 80,
+     ok(frozenset({"pod0", "pod1"}), False)),
     ("no endpoints, TCP", "client", "", "tcp", EMPTY, 80, REFUSED),
     ("no endpoints, UDP", "client", "", "udp", EMPTY, 53, REFUSED),
     ("no endpoints, from external", "ext", "", "tcp", EMPTY, 80, REFUSED),
