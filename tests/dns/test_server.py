@@ -338,6 +338,16 @@ def test_dig_udp_and_tcp(server):
     assert "status: NXDOMAIN" in server.dig("nope.testapp.svc.cluster.local")
 
 
+@needs_dig
+def test_dig_default_cookie_answered_without_echoing_it(server):
+    # dig sends a COOKIE option by default; we implement no options, so none comes back
+    out = server.dig("+qr", "testapp-svc.testapp.svc.cluster.local")
+    sent, _, got = out.partition(";; Got answer:")
+    assert "; COOKIE:" in sent                       # the query carried one
+    assert "status: NOERROR" in got and "COOKIE" not in got and "udp: 1232" in got and "172.20.36.232" in got
+    assert "status: NXDOMAIN" in server.dig("+cookie", "nope.testapp.svc.cluster.local")
+
+
 def test_question_echoed_exactly(server):
     r = server.query("TestApp-Svc.TESTAPP.svc.Cluster.Local.")
     assert r.question[0].name.to_text() == "TestApp-Svc.TESTAPP.svc.Cluster.Local."
