@@ -62,25 +62,34 @@ class _Buffer(DNSBuffer):
     dnslib would write a corrupt one in messages over 16 KiB)."""
 
     def encode_name(self, name) -> None:
+        # dnslib's algorithm, with the name's bytes joined and appended once (it is the
+        # hottest step of building an answer)
         if not isinstance(name, DNSLabel):
             name = DNSLabel(name)
-        labels = list(name.label)
+        labels = tuple(name.label)
         if len(b".".join(labels)) > 253:
             raise DNSLabelError(f"name too long: {name!r}")
-        while labels:
-            key = tuple(labels)
-            pointer = self.names.get(key)
+        names = self.names
+        pos = self.offset
+        parts = []
+        for i in range(len(labels)):
+            key = labels[i:]
+            pointer = names.get(key)
             if pointer is not None:
-                self.pack("!H", 0xC000 | pointer)
-                return
-            if self.offset <= 0x3FFF:
-                self.names[key] = self.offset
-            element = labels.pop(0)
+                parts.append(struct.pack("!H", 0xC000 | pointer))
+                break
+            if pos <= 0x3FFF:
+                names[key] = pos
+            element = labels[i]
             if len(element) > 63:
                 raise DNSLabelError(f"label too long: {element!r}")
-            self.pack("!B", len(element))
-            self.append(element)
-        self.append(b"\x00")
+            parts.append(bytes((len(element),)) + element)
+            pos += len(element) + 1
+        else:
+            parts.append(b"\x00")
+        data = b"".join(parts)
+        self.offset += len(data)
+        self.data += data
 
 
 def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[RR] = (),

@@ -622,6 +622,31 @@ def test_service_addresses_packed_directly_equal_the_lookup(demo_state, h, sourc
     assert checked >= (10 if source == "demo" else 600)
 
 
+def test_packing_equals_dnslibs_own_encoder(demo_state, h):
+    """wire._Buffer compresses names as dnslib's DNSBuffer does (below 16 KiB, where they agree)."""
+    from dnslib.label import DNSBuffer
+
+    from clusterdns.dns import names, wire
+    engine = h.make_engine(demo_state, server_addresses=lambda: ["10.161.0.2"])
+    ours_buffer = wire._Buffer
+    compared = 0
+    for qname, qtype, *_ in DEMO:
+        labels = names.split_name(qname)
+        if names.zone_of(labels, engine.view.zones) is None:
+            continue
+        ans = engine.view.lookup(labels, getattr(QTYPE, qtype))
+        raw = tuple(x.encode() for x in labels)
+        ours = wire.pack_body(raw, ans.answer, ans.authority, ans.additional)
+        try:
+            wire._Buffer = DNSBuffer
+            theirs = wire.pack_body(raw, ans.answer, ans.authority, ans.additional)
+        finally:
+            wire._Buffer = ours_buffer
+        assert (ours.data, ours.ends) == (theirs.data, theirs.ends), (qname, qtype)
+        compared += 1
+    assert compared > 40
+
+
 def test_loadbalance_rotates_addresses(h):
     engine = h.make_engine(big_headless(h, 10))
     firsts, sets = set(), set()
