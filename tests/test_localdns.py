@@ -212,3 +212,17 @@ def test_ipv6_local_address(topology):
     assert _sh(sys.executable, "-c", probe, ns=node).stdout.strip() == "ok"
     removed = asyncio.run(localdns.cleanup(runner))
     assert any(r.startswith("IPv6 raw") for r in removed)
+
+
+@needs_root
+def test_proxy_cleanup_removes_local_dns_too(topology):
+    """`clusterdns proxy --cleanup` removes everything clusterdns installed, the agent's local DNS included."""
+    from clusterdns.config import load
+    from clusterdns.proxy.proxier import cleanup
+    node, _ = topology
+    runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
+    asyncio.run(localdns.LocalDNS([LOCAL_IP], runner).setup())
+    removed = asyncio.run(cleanup(load(["proxy", "--cleanup", "--manifest", "unused.yaml"], env={}), runner))
+    assert "device nodelocaldns" in removed
+    assert _sh("ip", "link", "show", "nodelocaldns", check=False, ns=node).returncode != 0
+    assert "CLUSTERDNS" not in _sh("iptables-save", ns=node).stdout

@@ -483,6 +483,9 @@ async def cleanup(cfg: Config, runner: CommandRunner | None = None) -> list[str]
     if res.returncode == 0:
         await ipvs.clear()
         done.append("ipvs")
+    # The agent's --local-ip device and NOTRACK/ACCEPT chains are ours too.
+    from .. import localdns
+    done += await localdns.cleanup(runner)
     return done
 
 

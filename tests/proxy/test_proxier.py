@@ -315,8 +315,10 @@ async def test_cleanup_removes_ours_only():
             return Result(argv, 0, SAVE)
         if argv[0] == "nft" and argv[1] == "list":
             return Result(argv, 0, "table ip filter\n")
-        if argv[:3] == ("ip", "link", "show"):
+        if argv[:3] in (("ip", "link", "show"), ("ip", "link", "del")):
             return Result(argv, 1, "", "Device does not exist")
+        if any("CLUSTERDNS" in a for a in argv):   # no local-DNS chains installed
+            return Result(argv, 1, "", "No chain/target/match by that name.")
         return Result(argv, 0, "")
 
     runner = RecordingRunner(respond)
