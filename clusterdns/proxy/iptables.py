@@ -144,14 +144,36 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
             f'-A {n.KUBE_FIREWALL} -m comment --comment "block incoming localnet connections" '
             f"-d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP")
 
-    svc_nat_chains: list[str] = []
-    svc_nat_rules: list[str] = []
-    for info, cat in ports:
-        write = full or info.service in only
-        chains_out = svc_nat_chains if write else None
-        rules_out = svc_nat_rules if write else None
-        _service(info, cat, node, cfg, large, filter_rules, nat_rules, chains_out, rules_out,
-                 nat_active, local_np)
+    # per-service chain declarations and rules, as one text block per service port
+    svc_decls: list[str] = []
+    svc_blocks: list[str] = []
+    svc_rule_count = 0
+    svc_chain_names: list[str] = []
+    ctx = (family, node.local_cidr, node.primary_ip, cfg.masquerade_all, large)
+    old = _BLOCKS.get(ctx, {})
+    cache: dict[int, tuple] = {}
+    for pair in ports:
+        info, cat = pair
+        hit = old.get(id(info))
+        if hit is not None and hit[0] is pair:
+            block = hit[1]
+        else:
+            block = _service(info, cat, node, cfg, large)
+        cache[id(info)] = (pair, block)   # the pair holds info alive: its id is not reused
+        f_rules, top, chains, decls, rules, count = block
+        if f_rules:
+            filter_rules += f_rules
+        nat_rules += top
+        # the chains that internal traffic uses must exist even when not rewritten
+        svc_chain_names += chains
+        if full or info.service in only:
+            if chains:
+                svc_decls.append(decls)
+            if count:
+                svc_blocks.append(rules)
+                svc_rule_count += count
+    nat_active.update(svc_chain_names)
+    _remember(ctx, cache)
 
     # the last rule of KUBE-SERVICES: hand NodePorts over
     np_comment = '"kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
@@ -181,10 +203,7 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
         if n.is_service_chain(chain) and chain not in nat_active:
             deleted.add(chain)
 
-    nat_chains += svc_nat_chains
-    nat_chains += sorted(deleted)
-    all_nat_rules = nat_rules + svc_nat_rules
-    all_nat_rules += [f"-X {c}" for c in sorted(deleted)]
+    deleted_sorted = sorted(deleted)
 
     jump_lines: dict[str, list[str]] = {"filter": [], "nat": []}
     if full and jumps:
@@ -205,8 +224,12 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     if full:
         out.append(f":{n.KUBE_PROXY_CANARY} - [0:0]")
     out += [f":{c} - [0:0]" for c in nat_chains]
+    out += svc_decls
+    out += [f":{c} - [0:0]" for c in deleted_sorted]
     out += jump_lines["nat"]
-    out += all_nat_rules
+    out += nat_rules
+    out += svc_blocks
+    out += [f"-X {c}" for c in deleted_sorted]
     out.append("COMMIT")
     text = "\n".join(out) + "\n"
 
@@ -217,22 +240,38 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
         chains["mangle"] = frozenset({n.KUBE_PROXY_CANARY})
     counts = {
         "filter": len(filter_rules) + len(jump_lines["filter"]),
-        "nat": len(all_nat_rules) - len(deleted) + len(jump_lines["nat"]),
+        "nat": len(nat_rules) + svc_rule_count + len(jump_lines["nat"]),
     }
     return RuleSet(text=text, chains=chains, counts=counts,
                    deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large)
 
 
-def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config, large: bool,
-             filter_rules: list[str], nat_top: list[str],
-             nat_chains: list[str] | None, nat_rules: list[str] | None,
-             nat_active: set[str], local_np: bool) -> None:
+# Per-service blocks across renders: context -> id(info) -> ((info, cat), block).
+# servicemap hands out the same (info, cat) pair while a Service and its
+# slices are unchanged, so a hit is an identity check; everything else a
+# block depends on is in the context.
+_BLOCKS: dict[tuple, dict[int, tuple]] = {}
+_BLOCK_CONTEXTS = 2
+
+
+def _remember(ctx: tuple, cache: dict[int, tuple]) -> None:
+    """Keep only this render's blocks (bounded by the state), for a few contexts."""
+    _BLOCKS.pop(ctx, None)
+    while len(_BLOCKS) >= _BLOCK_CONTEXTS:
+        _BLOCKS.pop(next(iter(_BLOCKS)))
+    _BLOCKS[ctx] = cache
+
+
+def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config,
+             large: bool) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str, str, int]:
     """Rules of one service port (kube-proxy's syncProxyRules loop body).
 
-    filter_rules and nat_top (KUBE-SERVICES/KUBE-NODEPORTS) always receive
-    their rules; nat_chains/nat_rules are None when this service's chains are
-    skipped in a partial sync (they are still counted as active).
+    Returns (filter rules, nat KUBE-SERVICES/KUBE-NODEPORTS rules, per-service
+    nat chains, their declaration lines, their rules, the number of those
+    rules); both texts are newline-joined lines without a trailing newline.
     """
+    filter_rules: list[str] = []
+    nat_top: list[str] = []
     proto = info.protocol
     name = info.name
     port = info.port_number
@@ -375,11 +414,8 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
         affinity = f" -m recent --name {sep} --set" if info.affinity_timeout else ""
         rules.append("-A " + sep + dnat.format(affinity, ep.endpoint))
 
-    # the chain that internal traffic uses must exist even when only the masquerade rule is there
-    nat_active.update(chains)
-    if nat_chains is not None and nat_rules is not None:
-        nat_chains.extend(chains)
-        nat_rules.extend(rules)
+    return (tuple(filter_rules), tuple(nat_top), tuple(chains),
+            "\n".join([f":{c} - [0:0]" for c in chains]), "\n".join(rules), len(rules))
 
 
 def _endpoint_rules(rules: list[str], info: ServicePortInfo, chain: str,

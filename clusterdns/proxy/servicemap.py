@@ -339,19 +339,68 @@ def service_port_infos(svc: Service, family: int) -> list[ServicePortInfo]:
     return out
 
 
-def service_ports_for(state: ClusterState, key: tuple[str, str], family: int,
-                      node_name: str, zone: str) -> list[tuple[ServicePortInfo, Categorized]]:
-    """The service ports of one Service with their categorised endpoints."""
-    svc = state.services.get(key)
-    if svc is None:
-        return []
+# Results of service_ports_for across renders, per (family, node name, zone):
+# key -> (Service, slices, result). Records are immutable and a new state
+# shares the unchanged ones with the last, so an entry is valid while the
+# Service and every slice are the very same objects (checked with `is`).
+_PORTS_CACHE: dict[tuple[int, str, str], dict[tuple[str, str], tuple]] = {}
+_PORTS_CONTEXTS = 4     # contexts kept (families x nodes a process renders for)
+
+
+def _ports_cache(family: int, node_name: str, zone: str) -> dict[tuple[str, str], tuple]:
+    ctx = (family, node_name, zone)
+    cache = _PORTS_CACHE.get(ctx)
+    if cache is None:
+        while len(_PORTS_CACHE) >= _PORTS_CONTEXTS:
+            _PORTS_CACHE.pop(next(iter(_PORTS_CACHE)), None)
+        cache = _PORTS_CACHE[ctx] = {}
+    return cache
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is not y:
+            return False
+    return True
+
+
+def _compute_ports(svc: Service, slices: tuple[EndpointSlice, ...], family: int, node_name: str,
+                   zone: str) -> tuple[tuple[ServicePortInfo, Categorized], ...]:
     address_type = IPV6 if family == 6 else IPV4
-    slices = state.slices_for(*key)
     out = []
     for info in service_port_infos(svc, family):
         eps = _endpoints_for(slices, info.port, address_type, node_name)
         out.append((info, categorize(info, eps, zone)))
-    return out
+    return tuple(out)
+
+
+def _cached_ports(cache: dict, state: ClusterState, key: tuple[str, str], family: int, node_name: str,
+                  zone: str) -> tuple[tuple[ServicePortInfo, Categorized], ...]:
+    svc = state.services.get(key)
+    if svc is None:
+        return ()
+    slices = state.slices_for(*key)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is svc and _same(hit[1], slices):
+        return hit[2]
+    ports = _compute_ports(svc, slices, family, node_name, zone)
+    cache[key] = (svc, slices, ports)
+    return ports
+
+
+def service_ports_for(state: ClusterState, key: tuple[str, str], family: int,
+                      node_name: str, zone: str) -> list[tuple[ServicePortInfo, Categorized]]:
+    """The service ports of one Service with their categorised endpoints.
+
+    The (info, categorized) pairs are shared with later calls while the
+    Service and its slices are unchanged: treat them as read-only.
+    """
+    cache = _ports_cache(family, node_name, zone)
+    if len(cache) > max(4096, 2 * len(state.services)):
+        cache.clear()   # Services deleted since the last full render
+    return list(_cached_ports(cache, state, key, family, node_name, zone))
 
 
 @contextmanager
@@ -376,11 +425,22 @@ def service_ports(state: ClusterState, cfg: Config, family: int = 4) -> list[tup
     node = state.nodes.get(cfg.node_name) if cfg.node_name else None
     zone = node.zone if node is not None else ""
     out: list[tuple[ServicePortInfo, Categorized]] = []
+    old = _ports_cache(family, cfg.node_name, zone)
+    # a new generation holding only this state's Services keeps the cache bounded
+    cache: dict[tuple[str, str], tuple] = {}
     with gc_paused():
         for key in sorted(state.services):
-            out.extend(service_ports_for(state, key, family, cfg.node_name, zone))
-    out.sort(key=lambda pair: (pair[0].service, pair[0].port_name, pair[0].protocol))
+            out += _cached_ports(old, state, key, family, cfg.node_name, zone)
+            if key in old:
+                cache[key] = old[key]
+    _PORTS_CACHE[(family, cfg.node_name, zone)] = cache
+    out.sort(key=_PORT_ORDER)
     return out
+
+
+def _PORT_ORDER(pair: tuple[ServicePortInfo, Categorized]) -> tuple:
+    info = pair[0]
+    return (info.service, info.port.name, info.protocol)
 
 
 __all__ = ["Categorized", "EndpointInfo", "NodeInfo", "ServicePortInfo", "categorize",
