@@ -264,18 +264,43 @@ def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, 
     return True, ()
 
 
+# Each Service's Objects across renders: context -> key -> ((info, cat) pairs, Objects).
+# servicemap hands out the same pairs while a Service and its slices are
+# unchanged, so a hit is an identity check; the rest is in the context.
+_OBJECTS: dict[tuple, dict[tuple[str, str], tuple]] = {}
+_OBJECT_CONTEXTS = 2
+
+
 def _all_services(state: ClusterState, cfg: Config, family: int, node: NodeInfo,
                   zone: str) -> dict[tuple[str, str], Objects]:
-    owned: dict[tuple[str, str], Objects] = {}
-    builders: dict[tuple[str, str], _Builder] = {}
+    groups: dict[tuple[str, str], list] = {}
+    for pair in service_ports(state, cfg, family):
+        group = groups.get(pair[0].service)
+        if group is None:
+            groups[pair[0].service] = [pair]
+        else:
+            group.append(pair)
     _, ipx, addr_type = _fam(family)
-    for info, cat in service_ports(state, cfg, family):
-        b = builders.get(info.service)
-        if b is None:
-            b = builders[info.service] = _Builder()
-        _service(b, info, cat, node, cfg, ipx, addr_type)
-    for key, b in builders.items():
-        owned[key] = b.objects()
+    ctx = (family, node, cfg.masquerade_all)
+    old = _OBJECTS.get(ctx, {})
+    cache: dict[tuple[str, str], tuple] = {}
+    owned: dict[tuple[str, str], Objects] = {}
+    for key, pairs in groups.items():
+        hit = old.get(key)
+        if hit is not None and len(hit[0]) == len(pairs) and all(a is b for a, b in zip(hit[0], pairs)):
+            objs = hit[1]
+        else:
+            b = _Builder()
+            for info, cat in pairs:
+                _service(b, info, cat, node, cfg, ipx, addr_type)
+            objs = b.objects()
+        owned[key] = objs
+        cache[key] = (pairs, objs)
+    # only this render's Services are kept: bounded by the state
+    _OBJECTS.pop(ctx, None)
+    while len(_OBJECTS) >= _OBJECT_CONTEXTS:
+        _OBJECTS.pop(next(iter(_OBJECTS)))
+    _OBJECTS[ctx] = cache
     return owned
 
 
@@ -486,13 +511,22 @@ def full_text(new: NftState) -> str:
         out.append(f"add chain {t} {name} {decl}".rstrip())
     for name, (kind, decl) in new.sets.items():
         out.append(f"add {kind} {t} {name} {decl}")
-    for name, rules in new.chains.items():
-        for rule in rules:
-            out.append(f"add rule {t} {name} {rule}")
-    for name, elems in new.elements.items():
-        for text in elems.values():
-            out.append(f"add element {t} {name} {{ {text} }}")
+    _rules_and_elements(out, t, new)
     return "\n".join(out) + "\n"
+
+
+def _rules_and_elements(out: list[str], t: str, new: NftState) -> None:
+    """Every rule, then every element, of `new` (hot: hundreds of thousands of lines)."""
+    rule = f"add rule {t} "
+    for name, rules in new.chains.items():
+        if rules:
+            p = rule + name + " "
+            out += [p + r for r in rules]
+    element = f"add element {t} "
+    for name, elems in new.elements.items():
+        if elems:
+            p = element + name + " { "
+            out += [p + e + " }" for e in elems.values()]
 
 
 def resync_text(old: NftState, new: NftState) -> str:
