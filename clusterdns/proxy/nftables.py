@@ -507,8 +507,9 @@ def full_text(new: NftState) -> str:
     out = [f'add table {t} {{ comment "rules for kube-proxy" ; }}',
            f"delete table {t}",
            f'add table {t} {{ comment "rules for kube-proxy" ; }}']
-    for name, decl in new.chain_decls.items():
-        out.append(f"add chain {t} {name} {decl}".rstrip())
+    chain = f"add chain {t} "
+    out += [(chain + name + " " + decl).rstrip() if decl else chain + name
+            for name, decl in new.chain_decls.items()]
     for name, (kind, decl) in new.sets.items():
         out.append(f"add {kind} {t} {name} {decl}")
     _rules_and_elements(out, t, new)
@@ -521,12 +522,12 @@ def _rules_and_elements(out: list[str], t: str, new: NftState) -> None:
     for name, rules in new.chains.items():
         if rules:
             p = rule + name + " "
-            out += [p + r for r in rules]
+            out.append(p + ("\n" + p).join(rules))
     element = f"add element {t} "
     for name, elems in new.elements.items():
         if elems:
             p = element + name + " { "
-            out += [p + e + " }" for e in elems.values()]
+            out.append(p + (" }\n" + p).join(elems.values()) + " }")
 
 
 def resync_text(old: NftState, new: NftState) -> str:
@@ -566,12 +567,7 @@ def resync_text(old: NftState, new: NftState) -> str:
     for name in recreated:
         kind, decl = new.sets[name]
         out.append(f"add {kind} {t} {name} {decl}")
-    for name, rules in new.chains.items():
-        for rule in rules:
-            out.append(f"add rule {t} {name} {rule}")
-    for name, elems in new.elements.items():
-        for text in elems.values():
-            out.append(f"add element {t} {name} {{ {text} }}")
+    _rules_and_elements(out, t, new)
     return "\n".join(out) + "\n"
 
 
