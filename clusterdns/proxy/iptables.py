@@ -20,7 +20,7 @@ from ..config import Config
 from ..state import ClusterState
 from . import names as n
 from .servicemap import (
-    Categorized, EndpointInfo, NodeInfo, ServicePortInfo, gc_paused, localhost_nodeports, node_info,
+    Categorized, EndpointInfo, NodeInfo, ServicePortInfo, cache, gc_paused, localhost_nodeports, node_info,
     service_ports,
 )
 
@@ -250,7 +250,7 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
 # servicemap hands out the same (info, cat) pair while a Service and its
 # slices are unchanged, so a hit is an identity check; everything else a
 # block depends on is in the context.
-_BLOCKS: dict[tuple, dict[int, tuple]] = {}
+_BLOCKS: dict[tuple, dict[int, tuple]] = cache({})
 _BLOCK_CONTEXTS = 2
 
 

@@ -23,7 +23,7 @@ from ..config import Config
 from ..state import ClusterState
 from . import names as n
 from .servicemap import (
-    Categorized, NodeInfo, ServicePortInfo, gc_paused, node_info, service_ports, service_ports_for,
+    Categorized, NodeInfo, ServicePortInfo, cache, gc_paused, node_info, service_ports, service_ports_for,
 )
 
 # (chain, type, hook, priority): kube-proxy's base chains
@@ -267,7 +267,7 @@ def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, 
 # Each Service's Objects across renders: context -> key -> ((info, cat) pairs, Objects).
 # servicemap hands out the same pairs while a Service and its slices are
 # unchanged, so a hit is an identity check; the rest is in the context.
-_OBJECTS: dict[tuple, dict[tuple[str, str], tuple]] = {}
+_OBJECTS: dict[tuple, dict[tuple[str, str], tuple]] = cache({})
 _OBJECT_CONTEXTS = 2
 
 

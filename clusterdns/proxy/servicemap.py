@@ -343,7 +343,22 @@ def service_port_infos(svc: Service, family: int) -> list[ServicePortInfo]:
 # key -> (Service, slices, result). Records are immutable and a new state
 # shares the unchanged ones with the last, so an entry is valid while the
 # Service and every slice are the very same objects (checked with `is`).
-_PORTS_CACHE: dict[tuple[int, str, str], dict[tuple[str, str], tuple]] = {}
+_CACHES: list[dict] = []
+
+
+def cache(d: dict) -> dict:
+    """Register a cross-render cache so that clear_caches empties it."""
+    _CACHES.append(d)
+    return d
+
+
+def clear_caches() -> None:
+    """Forget everything renders remembered (for cold timings and tests; never needed for correctness)."""
+    for d in _CACHES:
+        d.clear()
+
+
+_PORTS_CACHE: dict[tuple[int, str, str], dict[tuple[str, str], tuple]] = cache({})
 _PORTS_CONTEXTS = 4     # contexts kept (families x nodes a process renders for)
 
 
@@ -443,6 +458,6 @@ def _PORT_ORDER(pair: tuple[ServicePortInfo, Categorized]) -> tuple:
     return (info.service, info.port.name, info.protocol)
 
 
-__all__ = ["Categorized", "EndpointInfo", "NodeInfo", "ServicePortInfo", "categorize",
+__all__ = ["Categorized", "EndpointInfo", "NodeInfo", "ServicePortInfo", "categorize", "clear_caches",
            "format_endpoint", "localhost_nodeports", "node_info", "service_port_infos",
            "service_ports", "service_ports_for"]

@@ -1,0 +1,180 @@
+"""Renders remember per-Service work across calls: the output must never depend on it.
+
+Each test compares a render made with warm caches against one made from
+scratch (caches cleared, records rebuilt as fresh objects).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import replace
+
+import pytest
+
+from clusterdns.config import Config
+from clusterdns.model import Service, ServicePort
+from clusterdns.proxy import iptables, ipvs, nftables, servicemap
+from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+from clusterdns.state import StateStore, state_from_records
+from clusterdns.synthetic import synthetic_records
+
+CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+DEMO_CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",),
+                  cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"),
+                  service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
+
+
+def synthetic_state():
+    """Fresh objects on every call: ClusterIP and NodePort Services, headless ones, local endpoints."""
+    return state_from_records(synthetic_records(60, 4, headless_every=7, nodeport_every=3))
+
+
+def demo_state():
+    records, skipped = load_files([DEMO_MANIFEST])
+    assert not skipped
+    return state_from_records(records)
+
+
+def cold(fn):
+    servicemap.clear_caches()
+    return fn()
+
+
+RENDERS = {
+    "iptables": lambda st, cfg, fam: iptables.render(st, cfg, fam).text,
+    "iptables-nojumps": lambda st, cfg, fam: iptables.render(st, cfg, fam, jumps=False).text,
+    "nftables": lambda st, cfg, fam: nftables.render(st, cfg, fam).text,
+    "ipvs": lambda st, cfg, fam: repr(ipvs.render(st, cfg, fam)),
+    "service_ports": lambda st, cfg, fam: repr(servicemap.service_ports(st, cfg, fam)),
+}
+
+
+@pytest.mark.parametrize("what", sorted(RENDERS))
+@pytest.mark.parametrize("case", ["synthetic", "demo4", "demo6"])
+def test_warm_render_equals_cold_render(what, case):
+    make, cfg, fam = {"synthetic": (synthetic_state, CFG, 4), "demo4": (demo_state, DEMO_CFG, 4),
+                      "demo6": (demo_state, DEMO_CFG, 6)}[case]
+    render = RENDERS[what]
+    reference = cold(lambda: render(make(), cfg, fam))
+    st = make()
+    first = render(st, cfg, fam)          # fills the caches from these objects
+    again = render(st, cfg, fam)          # served from them
+    fresh = render(make(), cfg, fam)      # equal content, new objects: nothing reused wrongly
+    assert first == reference
+    assert again == reference
+    assert fresh == reference
+
+
+def test_changed_slice_is_rendered_again():
+    store = StateStore()
+    publish(store, synthetic_records(30, 3))
+    before = store.current
+    key = sorted(before.slices)[7]
+    sl = before.slices[key]
+    eps = list(sl.endpoints)
+    eps[0] = dataclasses.replace(eps[0], addresses=("10.250.0.1",))
+    store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=tuple(eps)))
+    after = store.current
+
+    iptables.render(before, CFG, 4)
+    nft_before = nftables.render(before, CFG, 4)
+    warm = iptables.render(after, CFG, 4).text
+    assert "10.250.0.1" in warm
+    assert warm == cold(lambda: iptables.render(after, CFG, 4).text)
+    # a partial sync of the changed Service, with warm and with cold caches
+    iptables.render(before, CFG, 4)
+    warm_only = iptables.render(after, CFG, 4, only={sl.service_key})
+    cold_only = cold(lambda: iptables.render(after, CFG, 4, only={sl.service_key}))
+    assert warm_only == cold_only
+    assert "10.250.0.1" in warm_only.text
+    # nftables: full text, and the one-Service change from the previous state
+    nftables.render(before, CFG, 4)
+    warm_change = nftables.render(after, CFG, 4, previous=nft_before.state, changed={sl.service_key})
+    cold_change = cold(lambda: nftables.render(after, CFG, 4, previous=nft_before.state,
+                                               changed={sl.service_key}))
+    assert warm_change.text == cold_change.text and "10.250.0.1" in warm_change.text
+    assert warm_change.state.chains == cold_change.state.chains
+    assert nftables.render(after, CFG, 4).text == cold(lambda: nftables.render(after, CFG, 4).text)
+
+
+def test_changed_service_and_context_are_rendered_again():
+    store = StateStore()
+    publish(store, synthetic_records(20, 2))
+    before = store.current
+    svc = before.services[("ns-3", "svc-3")]
+    store.upsert("Service", replace(svc, ports=(ServicePort("http", "TCP", 81, 0, 8080),)))
+    after = store.current
+    for render in (lambda st, cfg: iptables.render(st, cfg, 4).text,
+                   lambda st, cfg: nftables.render(st, cfg, 4).text):
+        render(before, CFG)
+        assert render(after, CFG) == cold(lambda: render(after, CFG))
+        # everything besides the Service that its rules depend on: masquerade-all, cluster CIDR, node
+        for cfg in (replace(CFG, masquerade_all=True), replace(CFG, cluster_cidrs=("10.1.0.0/16",)),
+                    replace(CFG, node_name="node-1", node_ips=("192.168.0.3",)), CFG):
+            warm = render(after, cfg)
+            assert warm == cold(lambda: render(after, cfg))
+
+
+def test_large_cluster_switch_is_seen():
+    # the endpoint comments go when the cluster becomes large: blocks cached while it was small
+    # (the same Service and slice objects) must not be reused
+    records = synthetic_records(101, 10)
+    last = ("ns-0", "svc-100")
+
+    def is_last(rec):
+        kind, r = rec
+        return kind in ("Service", "EndpointSlice") and (r.namespace, getattr(r, "service", r.name)) == last
+
+    store = StateStore()
+    publish(store, [r for r in records if not is_last(r)])
+    small = store.current
+    servicemap.clear_caches()
+    small_text = iptables.render(small, CFG, 4).text
+    assert '-m comment --comment "ns-1/svc-1:http -> ' in small_text
+    for kind, rec in records:
+        if is_last((kind, rec)):
+            store.upsert(kind, rec)
+    large = store.current
+    warm = iptables.render(large, CFG, 4).text
+    assert "ns-1/svc-1:http -> " not in warm
+    assert warm == cold(lambda: iptables.render(large, CFG, 4).text)
+    assert iptables.render(small, CFG, 4).text == small_text
+
+
+def test_caches_hold_only_the_current_services():
+    servicemap.clear_caches()
+    iptables.render(state_from_records(synthetic_records(50, 1)), CFG, 4)
+    nftables.render(state_from_records(synthetic_records(50, 1)), CFG, 4)
+    st = state_from_records(synthetic_records(5, 1))
+    iptables.render(st, CFG, 4)
+    nftables.render(st, CFG, 4)
+    assert servicemap._PORTS_CACHE and iptables._BLOCKS and nftables._OBJECTS
+    assert all(len(c) <= 5 for c in servicemap._PORTS_CACHE.values())
+    assert all(len(c) <= 5 for c in iptables._BLOCKS.values())
+    assert all(len(c) <= 5 for c in nftables._OBJECTS.values())
+
+
+def test_headless_and_removed_services():
+    st = synthetic_state()
+    iptables.render(st, CFG, 4)
+    records = [("Service", s) for k, s in st.services.items() if k != ("ns-1", "svc-1")]
+    records += [("EndpointSlice", s) for s in st.slices.values()]
+    records.append(("Service", Service("ns-0", "extra", "ClusterIP", ("10.96.9.9",),
+                                       ports=(ServicePort("http", "TCP", 80, 0, 8080),))))
+    smaller = state_from_records(records)
+    warm = iptables.render(smaller, CFG, 4).text
+    assert "ns-1/svc-1:http" not in warm and "ns-0/extra:http has no endpoints" in warm
+    assert warm == cold(lambda: iptables.render(smaller, CFG, 4).text)
+
+
+def test_warm_full_render_is_fast():
+    st = state_from_records(synthetic_records(2000, 10))
+    servicemap.clear_caches()
+    t0 = time.process_time()
+    iptables.render(st, CFG, 4)
+    first = time.process_time() - t0
+    t0 = time.process_time()
+    iptables.render(st, CFG, 4)
+    warm = time.process_time() - t0
+    # unchanged Services cost a lookup, not a rebuild (loose: CI machines are shared)
+    assert warm < first / 2, (first, warm)
