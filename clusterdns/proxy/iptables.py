@@ -397,45 +397,66 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
     prefix = name + proto
     b32 = n._b32_16
     seps = {ep.endpoint: "KUBE-SEP-" + b32(prefix + ep.endpoint) for ep in cat.reachable}
+    # endpoint rules go in as one multi-line string per chain: `count` tracks the lines
+    count = len(rules)
     if uses_cluster_chain:
         chains.append(cluster_chain)
-        _endpoint_rules(rules, info, cluster_chain, cat.cluster, large, seps)
+        count += _endpoint_rules(rules, info, cluster_chain, cat.cluster, large, seps)
     if uses_local_chain:
         chains.append(local_chain)
-        _endpoint_rules(rules, info, local_chain, cat.local, large, seps)
+        count += _endpoint_rules(rules, info, local_chain, cat.local, large, seps)
 
-    comment = "" if large else f" -m comment --comment {_q(name)}"
-    masq = f"{comment} -s {{}} -j {n.KUBE_MARK_MASQ}"
-    dnat = f"{comment}{{}} {pp} -j DNAT --to-destination {{}}"
-    for ep in cat.reachable:
-        sep = seps[ep.endpoint]
-        chains.append(sep)
-        rules.append("-A " + sep + masq.format(ep.ip))
-        affinity = f" -m recent --name {sep} --set" if info.affinity_timeout else ""
-        rules.append("-A " + sep + dnat.format(affinity, ep.endpoint))
+    if cat.reachable:
+        comment = "" if large else f" -m comment --comment {_q(name)}"
+        masq = comment + " -s "
+        masq_tail = f" -j {n.KUBE_MARK_MASQ}\n-A "
+        dnat = f"{comment} {pp} -j DNAT --to-destination "
+        lines = []
+        if info.affinity_timeout:
+            dnat_aff = comment + " -m recent --name "
+            dnat_tail = f" --set {pp} -j DNAT --to-destination "
+            for ep in cat.reachable:
+                sep = seps[ep.endpoint]
+                chains.append(sep)
+                lines.append("-A " + sep + masq + ep.ip + masq_tail + sep + dnat_aff + sep + dnat_tail + ep.endpoint)
+        else:
+            for ep in cat.reachable:
+                sep = seps[ep.endpoint]
+                chains.append(sep)
+                lines.append("-A " + sep + masq + ep.ip + masq_tail + sep + dnat + ep.endpoint)
+        rules.append("\n".join(lines))
+        count += 2 * len(lines)
 
     return (tuple(filter_rules), tuple(nat_top), tuple(chains),
-            "\n".join([f":{c} - [0:0]" for c in chains]), "\n".join(rules), len(rules))
+            "\n".join([f":{c} - [0:0]" for c in chains]), "\n".join(rules), count)
 
 
 def _endpoint_rules(rules: list[str], info: ServicePortInfo, chain: str,
-                    endpoints: tuple[EndpointInfo, ...], large: bool, seps: dict[str, str]) -> None:
+                    endpoints: tuple[EndpointInfo, ...], large: bool, seps: dict[str, str]) -> int:
+    """Appends the chain's endpoint choice as one multi-line string; returns its number of rules."""
     name = info.name
+    head = "-A " + chain
+    with_comment = head + ' -m comment --comment "' + name + " -> "
+    lines = []
     if info.affinity_timeout:
+        check = f" -m recent --name {{}} --rcheck --seconds {info.affinity_timeout} --reap -j {{}}"
         for ep in endpoints:
             sep = seps[ep.endpoint]
-            comment = "" if large else f' -m comment --comment "{name} -> {ep.endpoint}"'
-            rules.append(f"-A {chain}{comment} -m recent --name {sep} --rcheck "
-                         f"--seconds {info.affinity_timeout} --reap -j {sep}")
+            lines.append((head if large else with_comment + ep.endpoint + '"') + check.format(sep, sep))
     count = len(endpoints)
+    probs = _PROBABILITY_MATCH
     for i, ep in enumerate(endpoints):
-        sep = seps[ep.endpoint]
-        comment = "" if large else f' -m comment --comment "{name} -> {ep.endpoint}"'
-        stat = ""
-        if i < count - 1:
-            stat = _PROBABILITY_MATCH[count - i] if count - i < 64 else \
-                f" -m statistic --mode random --probability {probability(count - i)}"
-        rules.append(f"-A {chain}{comment}{stat} -j {sep}")
+        left = count - i
+        if left == 1:
+            stat = " -j "
+        elif left < 64:
+            stat = probs[left] + " -j "
+        else:
+            stat = f" -m statistic --mode random --probability {probability(left)} -j "
+        lines.append((head if large else with_comment + ep.endpoint + '"') + stat + seps[ep.endpoint])
+    if lines:
+        rules.append("\n".join(lines))
+    return len(lines)
 
 
 def probability(n_endpoints: int) -> str:

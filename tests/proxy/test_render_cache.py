@@ -178,3 +178,17 @@ def test_warm_full_render_is_fast():
     warm = time.process_time() - t0
     # unchanged Services cost a lookup, not a rebuild (loose: CI machines are shared)
     assert warm < first / 2, (first, warm)
+
+
+def test_service_port_info_sets_every_field():
+    # service_port_infos fills the instance dict directly (speed): a field added to the
+    # dataclass must be set there too
+    svc = Service("ns", "web", "LoadBalancer", ("10.96.0.5",), ports=(ServicePort("http", "TCP", 80, 30080, 8080),),
+                  lb_ips=("192.0.2.9",), lb_source_ranges=("198.51.100.0/24",), external_local=True,
+                  affinity_timeout=30, health_check_node_port=32000)
+    info = servicemap.service_port_infos(svc, 4)[0]
+    fields = [f.name for f in dataclasses.fields(servicemap.ServicePortInfo)]
+    assert sorted(vars(info)) == sorted(fields)
+    same = servicemap.ServicePortInfo(**{f: getattr(info, f) for f in fields})
+    assert info == same and hash(info) == hash(same) and repr(info) == repr(same)
+    assert info.external_local and info.lb_firewall and info.node_port == 30080
