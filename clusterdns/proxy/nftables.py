@@ -466,21 +466,36 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
         # ranges only in the other family allow nothing of this one
         b.chain(fw_chain).append(f"{ipx} saddr != {{ {', '.join(sources)} }} drop" if sources else "drop")
 
-    ep_chains = {ep.endpoint: n.nft_endpoint_base(info.namespace, info.service_name, proto, info.port_name,
-                                                  ep.ip, ep.port) for ep in cat.reachable}
+    # nft_endpoint_base and hash_and_truncate inlined: this loop runs for every endpoint
+    prefix = f"{info.namespace}/{info.service_name}/{proto}/{info.port_name}__"
+    b32 = n._b32_16
+    ep_chains = {}
+    for ep in cat.reachable:
+        text = f"{prefix}{ep.ip.replace(':', '.')}/{ep.port}"
+        ep_chains[ep.endpoint] = b32(text)[:8] + "-" + (text if len(text) <= 240 else text[:237] + "...")
     if uses_cluster_chain:
         _dispatch(b.chain(cluster_chain), cat.cluster, ep_chains, info, ipx)
     if uses_local_chain:
         _dispatch(b.chain(local_chain), cat.local, ep_chains, info, ipx)
+    chains, decls = b.chains, b.chain_decls
+    masq = f"{ipx} saddr "
+    masq_tail = f" jump {MARK_MASQ}"
+    dnat = f"meta l4proto {proto} dnat to "
     for ep in cat.reachable:
         ep_base = ep_chains[ep.endpoint]
-        rules = b.chain(n.nft_endpoint_chain(ep_base))
-        rules.append(f"{ipx} saddr {ep.ip} jump {MARK_MASQ}")
+        chain = "endpoint-" + ep_base
         if info.affinity_timeout:
+            rules = b.chain(chain)
+            rules.append(masq + ep.ip + masq_tail)
             aff = n.nft_affinity_set(ep_base)
             b.set(aff, "set", f"{{ type {addr_type} ; flags dynamic,timeout ; timeout {info.affinity_timeout}s ; }}")
             rules.append(f"update @{aff} {{ {ipx} saddr }}")
-        rules.append(f"meta l4proto {proto} dnat to {ep.endpoint}")
+            rules.append(dnat + ep.endpoint)
+        elif chain in chains:
+            chains[chain] += [masq + ep.ip + masq_tail, dnat + ep.endpoint]
+        else:
+            chains[chain] = [masq + ep.ip + masq_tail, dnat + ep.endpoint]
+            decls[chain] = ""
 
 
 def _dispatch(rules: list[str], endpoints, ep_chains: dict[str, str], info: ServicePortInfo, ipx: str) -> None:
@@ -488,8 +503,7 @@ def _dispatch(rules: list[str], endpoints, ep_chains: dict[str, str], info: Serv
         for ep in endpoints:
             base = ep_chains[ep.endpoint]
             rules.append(f"{ipx} saddr @{n.nft_affinity_set(base)} goto {n.nft_endpoint_chain(base)}")
-    vmap = " , ".join(f"{i} : goto {n.nft_endpoint_chain(ep_chains[ep.endpoint])}"
-                      for i, ep in enumerate(endpoints))
+    vmap = " , ".join([f"{i} : goto endpoint-{ep_chains[ep.endpoint]}" for i, ep in enumerate(endpoints)])
     rules.append(f"numgen random mod {len(endpoints)} vmap {{ {vmap} }}")
 
 
