@@ -16,6 +16,7 @@ a grace period and deletes them in a later one).
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -161,18 +162,111 @@ def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects],
     return NftState(family, chains, decls, sets, elements, owned, context)
 
 
+class _Layered(Mapping):
+    """A read-only mapping: a base dict with some keys removed, replaced or added.
+
+    It iterates exactly as a dict copy of the base would after the same pops
+    and assignments (a re-added key goes to the end, a replaced one keeps its
+    place), but deriving one costs O(changes), not O(size): a one-Service
+    sync at 10,000 Services would otherwise copy 120,000 chains. After many
+    changes it is flattened back into a dict (amortised O(1) per change).
+    """
+    __slots__ = ("_base", "_gone", "_vals", "_tail")
+
+    def __init__(self, base: Mapping, gone: set, vals: dict, tail: dict) -> None:
+        self._base = base      # never mutated
+        self._gone = gone      # base keys no longer at their place (removed, or re-added at the end)
+        self._vals = vals      # values that differ from the base, and those of the tail
+        self._tail = tail      # keys after the base's, in order (values unused)
+
+    @classmethod
+    def derive(cls, m: Mapping) -> "_Layered":
+        """A writable layer over m (m itself is left as it is)."""
+        if isinstance(m, _Layered):
+            return cls(m._base, set(m._gone), dict(m._vals), dict(m._tail))  # O(changes so far)
+        return cls(m if isinstance(m, dict) else dict(m), set(), {}, {})
+
+    def __getitem__(self, key):
+        vals = self._vals
+        if key in vals:
+            return vals[key]
+        if key in self._gone:
+            raise KeyError(key)
+        return self._base[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._vals or (key not in self._gone and key in self._base)
+
+    def __iter__(self):
+        gone = self._gone
+        if gone:
+            for key in self._base:
+                if key not in gone:
+                    yield key
+        else:
+            yield from self._base
+        yield from self._tail
+
+    def __len__(self) -> int:
+        return len(self._base) - len(self._gone) + len(self._tail)
+
+    def get(self, key, default=None):
+        vals = self._vals
+        if key in vals:
+            return vals[key]
+        if key in self._gone:
+            return default
+        return self._base.get(key, default)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+    # building (only while _apply makes the next state)
+    def pop(self, key, default=None):
+        if key in self._tail:
+            del self._tail[key]
+            return self._vals.pop(key)
+        if key in self._base and key not in self._gone:
+            self._gone.add(key)
+            return self._vals.pop(key, self._base[key])
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self:
+            self._tail[key] = None
+        self._vals[key] = value
+
+    def update(self, other: Mapping) -> None:
+        for key, value in other.items():
+            self[key] = value
+
+    def settled(self) -> Mapping:
+        """Flattened into a dict once the changes outgrow ~sqrt(size).
+
+        Each derive copies the changes so far and a flatten copies everything:
+        a limit near sqrt(size) keeps both small per sync (about 1,500 entries
+        for 120,000 chains, against 120,000 for a plain copy).
+        """
+        if len(self._gone) + len(self._vals) > 64 + 4 * math.isqrt(len(self._base)):
+            return {k: self[k] for k in self}
+        return self
+
+
 def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]) -> NftState:
-    """previous with the objects of the changed Services replaced (None: the Service is gone)."""
-    chains = dict(previous.chains)
-    decls = dict(previous.chain_decls)
-    sets = dict(previous.sets)
-    elements = dict(previous.elements)
-    owned = dict(previous.owned)
+    """previous with the objects of the changed Services replaced (None: the Service is gone).
+
+    O(changed Services): every mapping is a _Layered view over the previous one.
+    """
+    chains = _Layered.derive(previous.chains)
+    decls = _Layered.derive(previous.chain_decls)
+    sets = _Layered.derive(previous.sets)
+    elements = _Layered.derive(previous.elements)
+    owned = _Layered.derive(previous.owned)
     copied: set[str] = set()
 
-    def writable(name: str) -> dict[str, str]:
+    def writable(name: str) -> _Layered:
         if name not in copied:
-            elements[name] = dict(elements.get(name, {}))
+            elements[name] = _Layered.derive(elements.get(name, {}))
             copied.add(name)
         return elements[name]  # type: ignore[return-value]
 
@@ -200,7 +294,11 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
             writable(name)
         for name, ekey, text in objs.elements:
             writable(name)[ekey] = text
-    return NftState(previous.family, chains, decls, sets, elements, owned, previous.context)
+    for name in copied:
+        if name in elements:
+            elements[name] = elements[name].settled()
+    return NftState(previous.family, chains.settled(), decls.settled(), sets.settled(), elements.settled(),
+                    owned.settled(), previous.context)
 
 
 def _partial(family: int, objs: list[Objects]) -> NftState:

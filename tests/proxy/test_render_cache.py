@@ -192,3 +192,51 @@ def test_service_port_info_sets_every_field():
     same = servicemap.ServicePortInfo(**{f: getattr(info, f) for f in fields})
     assert info == same and hash(info) == hash(same) and repr(info) == repr(same)
     assert info.external_local and info.lb_firewall and info.node_port == 30080
+
+
+def test_layered_mapping_behaves_as_a_dict_copy():
+    import random
+    from clusterdns.proxy.nftables import _Layered
+    rnd = random.Random(7)
+    ref: dict = {f"k{i}": i for i in range(300)}
+    cur = dict(ref)
+    flattened = 0
+    for step in range(400):
+        layer = _Layered.derive(cur)
+        ref = dict(ref)
+        for _ in range(rnd.randint(1, 12)):
+            key = f"k{rnd.randint(0, 420)}"
+            if rnd.random() < 0.45:
+                assert layer.pop(key, "none") == ref.pop(key, "none")
+            else:
+                layer[key] = ref[key] = step
+        cur = layer.settled()
+        flattened += isinstance(cur, dict)
+        assert list(cur.items()) == list(ref.items())
+        assert len(cur) == len(ref) and cur == ref
+        probe = f"k{rnd.randint(0, 420)}"
+        assert (probe in cur) == (probe in ref) and cur.get(probe) == ref.get(probe)
+    assert flattened  # the layers were flattened along the way, and still equal
+
+
+def test_chained_changes_equal_a_full_build():
+    # the proxier chains `changed=` renders, each from the last one's state
+    store = StateStore()
+    publish(store, synthetic_records(120, 3, nodeport_every=5))
+    first = nftables.render(store.current, CFG, 4)
+    prev = first.state
+    slices = sorted(store.current.slices)
+    for i in range(150):
+        sl = store.current.slices[slices[(i * 37) % len(slices)]]
+        eps = list(sl.endpoints)
+        eps[i % len(eps)] = dataclasses.replace(eps[i % len(eps)], addresses=(f"10.251.{i // 200}.{i % 200 + 1}",))
+        store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=tuple(eps)))
+        rs = nftables.render(store.current, CFG, 4, previous=prev, changed={sl.service_key})
+        assert rs.text and not rs.full
+        prev = rs.state
+    full = cold(lambda: nftables.build(store.current, CFG, 4))
+    assert dict(prev.chains) == dict(full.chains)
+    assert dict(prev.chain_decls) == dict(full.chain_decls) and dict(prev.sets) == dict(full.sets)
+    assert {k: dict(v) for k, v in prev.elements.items()} == {k: dict(v) for k, v in full.elements.items()}
+    assert nftables.diff_text(prev, full) == ("", 0)
+    assert sorted(nftables.full_text(prev).splitlines()) == sorted(nftables.full_text(full).splitlines())
