@@ -95,6 +95,11 @@ class StateStore:
         self._synced: set[str] = set()
         self._full = False
         self._depth = 0
+        # slices per Service, kept as writes happen, so a new version's index costs
+        # only the Services whose slices changed (a full rebuild is ~15 ms at 10,000)
+        self._by_service: dict[tuple[str, str], dict[tuple[str, str], EndpointSlice]] = {}
+        self._index: Mapping[tuple[str, str], tuple[EndpointSlice, ...]] = MappingProxyType({})
+        self._index_dirty: set[tuple[str, str]] = set()
 
     def subscribe(self, fn: Subscriber) -> None:
         self._subscribers.append(fn)
@@ -129,6 +134,18 @@ class StateStore:
         elif kind == "EndpointSlice":
             self._changed.add(record.service_key)
 
+    def _reindex(self, old: EndpointSlice | None, new: EndpointSlice | None) -> None:
+        if old is not None:
+            group = self._by_service.get(old.service_key)
+            if group is not None:
+                group.pop(old.key, None)
+                if not group:
+                    del self._by_service[old.service_key]
+            self._index_dirty.add(old.service_key)
+        if new is not None:
+            self._by_service.setdefault(new.service_key, {})[new.key] = new
+            self._index_dirty.add(new.service_key)
+
     def upsert(self, kind: str, record: Any) -> None:
         with self.batch():
             table = self._table(kind)
@@ -140,6 +157,8 @@ class StateStore:
             if old is not None:
                 self._touch(kind, old)
             self._touch(kind, record)
+            if kind == "EndpointSlice":
+                self._reindex(old, record)
 
     def delete(self, kind: str, key: Any) -> None:
         with self.batch():
@@ -147,18 +166,25 @@ class StateStore:
             old = table.pop(key, None)
             if old is not None:
                 self._touch(kind, old)
+                if kind == "EndpointSlice":
+                    self._reindex(old, None)
 
     def replace(self, kind: str, records: Iterable[Any], synced: bool = True) -> None:
         """Replace every object of a kind (a full list); marks the kind synced."""
         with self.batch():
             table = self._table(kind)
             new = {record_key(kind, r): r for r in records}
+            slices = kind == "EndpointSlice"
             for key, old in table.items():
                 if new.get(key) != old:
                     self._touch(kind, old)
+                    if slices:
+                        self._reindex(old, None)
             for key, rec in new.items():
                 if table.get(key) != rec:
                     self._touch(kind, rec)
+                    if slices:
+                        self._reindex(None, rec)
             table.clear()
             table.update(new)
             if synced:
@@ -186,6 +212,17 @@ class StateStore:
             nodes=fields.get("nodes", old.nodes),
             synced=new_synced,
             serial=max(int(self._clock()), old.serial + 1) if self._kinds else old.serial)
+        if self._index_dirty:
+            index = dict(self._index)
+            for key in self._index_dirty:
+                group = self._by_service.get(key)
+                if group:
+                    index[key] = tuple(group[k] for k in sorted(group))
+                else:
+                    index.pop(key, None)
+            self._index = MappingProxyType(index)
+            self._index_dirty = set()
+        new.__dict__["slices_by_service"] = self._index   # fills the cached_property
         delta = Delta(frozenset(self._changed), frozenset(self._kinds), self._full)
         self._reset()
         self.current = new

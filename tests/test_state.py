@@ -63,3 +63,26 @@ def test_unsubscribe_stops_calls():
     store.unsubscribe(fn)   # twice is harmless
     store.upsert("Service", svc("b", "10.96.0.2"))
     assert got == [1]
+
+
+def test_slice_index_kept_incrementally_equals_a_rebuild():
+    import random
+
+    from clusterdns.state import ClusterState
+    rng = random.Random(7)
+    store = StateStore()
+    for step in range(300):
+        svc_name = f"s{rng.randrange(8)}"
+        name = f"{svc_name}-{rng.randrange(3)}"
+        op = rng.random()
+        if op < 0.5:
+            eps = (Endpoint((f"10.0.{step % 250}.{rng.randrange(250)}",)),)
+            store.upsert("EndpointSlice", EndpointSlice("ns", name, svc_name, endpoints=eps))
+        elif op < 0.8:
+            store.delete("EndpointSlice", ("ns", name))
+        else:
+            keep = [s for s in store.current.slices.values() if rng.random() < 0.7]
+            store.replace("EndpointSlice", keep)
+        cur = store.current
+        rebuilt = ClusterState.slices_by_service.func(cur)   # the cached_property's own computation
+        assert dict(cur.slices_by_service) == dict(rebuilt), step
