@@ -230,24 +230,9 @@ class ZoneView:
         if sd.kind == "external" or not self.exposed(sd.svc.namespace):
             return
         for ip in sd.svc.cluster_ips:
-            lst = cips.get(ip)
-            if lst is None:
-                cips[ip] = [(sd, None)]
-            else:
-                if copied is not None and ("c", ip) not in copied:
-                    lst = cips[ip] = list(lst)
-                    copied.add(("c", ip))
-                lst.append((sd, None))
+            _index_add(cips, "c", ip, (sd, None), copied)
         for name, ip, _ in sd.ready:
-            lst = eps.get(ip)
-            if lst is None:
-                eps[ip] = [(sd, name)]
-            else:
-                if copied is not None and ("e", ip) not in copied:
-                    lst = eps[ip] = list(lst)
-                    copied.add(("e", ip))
-                if (sd, name) not in lst:
-                    lst.append((sd, name))
+            _index_add(eps, "e", ip, (sd, name), copied)
 
     def _index_addresses(self, prev: "ZoneView | None") -> tuple[dict, dict]:
         """address -> [(service, None)] for ClusterIPs and [(service, endpoint name)] for ready endpoints."""
@@ -589,3 +574,17 @@ class ZoneView:
             answer = [RR(owner, NS, ttl=self.ttl, rdata=RD_NS(label(target)))]
             glue = self._addr(label(target), mine, A) + self._addr(label(target), mine, AAAA)
         return answer, glue
+
+
+def _index_add(table: dict, tag: str, ip: str, item: tuple, copied: set | None) -> None:
+    """Add item under ip once. A list shared with the previous view (copied is not None
+    during an incremental build) is copied before its first change in this build."""
+    lst = table.get(ip)
+    if lst is None:
+        table[ip] = [item]
+        return
+    if copied is not None and (tag, ip) not in copied:
+        lst = table[ip] = list(lst)
+        copied.add((tag, ip))
+    if item not in lst:
+        lst.append(item)
