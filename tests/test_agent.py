@@ -7,6 +7,7 @@ from clusterdns.model import (
     EXTERNAL_NAME, Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort,
 )
 from clusterdns.state import StateStore
+from tests.netutil import free_port
 
 PORT = ServicePort("http", "TCP", 8080, target_port=8080)
 
@@ -446,13 +447,6 @@ async def test_demo_mode_banner_and_printing_proxier(capsys):
     assert "-A KUBE-SERVICES" in capsys.readouterr().out   # the rules went to stdout
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_signals_in_a_real_process(tmp_path):
     """SIGHUP reloads; SIGTERM: lameduck (answering, /ready 503, /health 200), then exit 0."""
     import signal
@@ -461,7 +455,7 @@ async def test_signals_in_a_real_process(tmp_path):
     manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
     conf = tmp_path / "agent.yaml"
     conf.write_text("ttl: 5\n")
-    port, hport = _free_port(), _free_port()
+    port, hport = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "clusterdns", "agent", "--manifest", str(tmp_path / "cluster.json"),
          "--listen", f"127.0.0.1:{port}", "--no-upstream", "--proxy-mode", "none", "--config", str(conf),

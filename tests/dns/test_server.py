@@ -33,6 +33,7 @@ from clusterdns.dns import metrics
 from clusterdns.dns.server import DnsService, error_reply
 from clusterdns.metrics import REGISTRY
 from clusterdns.state import StateStore
+from tests.netutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -254,22 +255,6 @@ def big_headless_manifest() -> str:
     ]})
 
 
-def free_port() -> int:
-    """A port free for both UDP and TCP on 127.0.0.1 (for subprocess servers)."""
-    for _ in range(50):
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        u.bind(("127.0.0.1", 0))
-        port = u.getsockname()[1]
-        t = socket.socket()
-        try:
-            t.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            u.close()
-            t.close()
-    raise RuntimeError("no free port")
 
 
 class ServerProcess:

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import shutil
-import socket
 
 import pytest
 
@@ -16,6 +15,7 @@ from clusterdns.proxy.apply import RecordingRunner, Result
 from clusterdns.proxy.healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
 from clusterdns.state import StateStore
+from tests.netutil import free_port
 
 BASE = ["proxy", "--manifest", DEMO_MANIFEST, "--node-ip", "192.168.49.2", "--node-name", "node-a",
         "--cluster-cidr", "10.161.0.0/16", "--min-sync-period", "0", "--apply"]
@@ -249,12 +249,6 @@ def test_proxier_health_semantics():
     assert h.respond("/nope")[0] == 404
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _get(port, path="/"):
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -270,7 +264,7 @@ async def test_service_health_servers_follow_local_endpoints():
     publish(store, demo_records())
     counts = local_endpoint_counts(store.current, cfg.node_name)
     assert counts == {("testapp", "testapp-lb"): (32000, 1)}
-    port = _free_port()
+    port = free_port()
     servers = ServiceHealthServers("127.0.0.1")
     await servers.sync({("testapp", "testapp-lb"): (port, 2)})
     status, head, body = await _get(port)
