@@ -1,7 +1,6 @@
 """deploy/ parses, holds the expected objects, and asks for no more than it reads."""
 import os
 
-import pytest
 import yaml
 
 from clusterdns.config import load

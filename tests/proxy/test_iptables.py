@@ -14,7 +14,7 @@ from clusterdns.config import Config
 from clusterdns.model import (
     LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Node, Service, ServicePort,
 )
-from clusterdns.proxy import iptables, servicemap
+from clusterdns.proxy import iptables
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
