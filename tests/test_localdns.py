@@ -5,22 +5,19 @@ veth pair, hold 172.20.0.10 on the node, and send real DNS-port traffic from
 the pod while kube-proxy-style DNAT and REJECT rules for that address exist.
 """
 import asyncio
-import os
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from clusterdns import localdns
 from clusterdns.proxy.apply import SubprocessRunner
+from tests.nslib import PY, requires, run, sh
 
 LOCAL_IP = "172.20.0.10"
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iptables") is None,
-    reason="needs root, iproute2 and iptables")
+needs_root = requires("iptables")
 
 
 def test_render_rules_ipv4():
@@ -43,34 +40,15 @@ def test_render_rules_ipv6_and_split():
     assert "-d fd00::a/128 -p udp" in localdns.render_rules(fam[6], 6)
 
 
-def _sh(*argv, check=True, ns=None, **kw):
-    if ns:
-        argv = ("ip", "netns", "exec", ns) + argv
-    return subprocess.run(argv, check=check, capture_output=True, text=True, **kw)
-
-
 @pytest.fixture
-def topology():
+def topology(namespaces):
     """node <-> pod over a veth; the pod routes everything through the node."""
-    tag = f"{os.getpid() % 100000}"
-    node, pod = f"cdl-node-{tag}", f"cdl-pod-{tag}"
-    created = []
-    try:
-        for ns in (node, pod):
-            _sh("ip", "netns", "add", ns)
-            created.append(ns)
-        _sh("ip", "link", "add", "veth-pod", "netns", node, "type", "veth", "peer", "name", "eth0", "netns", pod)
-        _sh("ip", "addr", "add", "10.161.0.1/24", "dev", "veth-pod", ns=node)
-        _sh("ip", "link", "set", "veth-pod", "up", ns=node)
-        _sh("ip", "link", "set", "lo", "up", ns=node)
-        _sh("ip", "addr", "add", "10.161.0.5/24", "dev", "eth0", ns=pod)
-        _sh("ip", "link", "set", "eth0", "up", ns=pod)
-        _sh("ip", "link", "set", "lo", "up", ns=pod)
-        _sh("ip", "route", "add", "default", "via", "10.161.0.1", ns=pod)
-        yield node, pod
-    finally:
-        for ns in created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    node, pod = namespaces.add("node"), namespaces.add("pod")
+    namespaces.veth(node, "veth-pod", pod, "eth0")
+    sh("ip", "addr", "add", "10.161.0.1/24", "dev", "veth-pod", ns=node)
+    sh("ip", "addr", "add", "10.161.0.5/24", "dev", "eth0", ns=pod)
+    sh("ip", "route", "add", "default", "via", "10.161.0.1", ns=pod)
+    return node, pod
 
 
 RESPONDER = textwrap.dedent("""
@@ -112,46 +90,40 @@ def _kube_proxy_like_rules(node):
         -A KUBE-SERVICES -d {LOCAL_IP}/32 -p udp -m udp --dport 53 -j DNAT --to-destination 10.99.99.99:53
         COMMIT
         """)
-    subprocess.run(["ip", "netns", "exec", node, "iptables-restore", "--noflush"], input=rules,
-                   text=True, check=True, capture_output=True)
+    sh("iptables-restore", "--noflush", ns=node, input=rules)
 
 
 def _query(pod, ip=LOCAL_IP):
-    return _sh(sys.executable, "-c", CLIENT, ip, ns=pod).stdout.strip()
+    return sh(PY, "-c", CLIENT, ip, ns=pod).strip()
 
 
 @needs_root
-def test_local_ip_answered_on_node_despite_reject_and_dnat(topology):
+@requires("conntrack")
+def test_local_ip_answered_on_node_despite_reject_and_dnat(topology, namespaces):
     node, pod = topology
     runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
     ldns = localdns.LocalDNS([LOCAL_IP], runner)
     _kube_proxy_like_rules(node)
     # Without our rules the proxier's REJECT wins: the pod gets port-unreachable.
-    _sh("ip", "link", "add", "nodelocaldns", "type", "bridge", ns=node)
-    _sh("ip", "link", "set", "nodelocaldns", "up", ns=node)
-    _sh("ip", "addr", "add", f"{LOCAL_IP}/32", "dev", "nodelocaldns", ns=node)
-    responder = subprocess.Popen(["ip", "netns", "exec", node, sys.executable, "-c", RESPONDER, LOCAL_IP],
-                                 stdout=subprocess.PIPE, text=True)
-    try:
-        assert responder.stdout.readline().strip() == "ready"
-        assert _query(pod).startswith("error")
-        asyncio.run(ldns.setup())
-        assert ldns.link_type in ("dummy", "bridge")
-        assert _query(pod) == "answer:q"
-        # From the node itself (OUTPUT path) too.
-        assert _sh(sys.executable, "-c", CLIENT, LOCAL_IP, ns=node).stdout.strip() == "answer:q"
-        # Untracked: no conntrack entry for the DNS flow, so no DNAT either.
-        if shutil.which("conntrack"):
-            ct = _sh("conntrack", "-L", "-d", LOCAL_IP, check=False, ns=node)
-            assert "dport=53" not in ct.stdout
-        # Our jumps are first in every chain they hook.
-        for table, chain in (("raw", "PREROUTING"), ("raw", "OUTPUT"), ("filter", "INPUT"), ("filter", "OUTPUT")):
-            first = [x for x in _sh("iptables", "-t", table, "-S", chain, ns=node).stdout.splitlines()
-                     if x.startswith("-A")][0]
-            assert first.endswith("-j CLUSTERDNS-NOTRACK") or first.endswith("-j CLUSTERDNS-LOCAL"), first
-    finally:
-        responder.kill()
-        responder.wait()
+    sh("ip", "link", "add", "nodelocaldns", "type", "bridge", ns=node)
+    sh("ip", "link", "set", "nodelocaldns", "up", ns=node)
+    sh("ip", "addr", "add", f"{LOCAL_IP}/32", "dev", "nodelocaldns", ns=node)
+    responder = namespaces.spawn(node, PY, "-c", RESPONDER, LOCAL_IP, stdout=subprocess.PIPE, text=True)
+    assert responder.stdout.readline().strip() == "ready"
+    assert _query(pod).startswith("error")
+    asyncio.run(ldns.setup())
+    assert ldns.link_type in ("dummy", "bridge")
+    assert _query(pod) == "answer:q"
+    # From the node itself (OUTPUT path) too.
+    assert sh(PY, "-c", CLIENT, LOCAL_IP, ns=node).strip() == "answer:q"
+    # Untracked: no conntrack entry for the DNS flow, so no DNAT either.
+    ct = run("conntrack", "-L", "-d", LOCAL_IP, ns=node)
+    assert ct.returncode == 0 and "dport=53" not in ct.stdout, ct.stderr
+    # Our jumps are first in every chain they hook.
+    for table, chain in (("raw", "PREROUTING"), ("raw", "OUTPUT"), ("filter", "INPUT"), ("filter", "OUTPUT")):
+        first = [x for x in sh("iptables", "-t", table, "-S", chain, ns=node).splitlines()
+                 if x.startswith("-A")][0]
+        assert first.endswith("-j CLUSTERDNS-NOTRACK") or first.endswith("-j CLUSTERDNS-LOCAL"), first
 
 
 @needs_root
@@ -160,30 +132,30 @@ def test_check_repairs_and_cleanup_removes(topology):
     runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
     ldns = localdns.LocalDNS([LOCAL_IP, "169.254.20.10"], runner)
     asyncio.run(ldns.setup())
-    addrs = _sh("ip", "-o", "addr", "show", "dev", "nodelocaldns", ns=node).stdout
+    addrs = sh("ip", "-o", "addr", "show", "dev", "nodelocaldns", ns=node)
     assert LOCAL_IP in addrs and "169.254.20.10" in addrs
     assert asyncio.run(ldns.check()) is False          # all in place: nothing to do
     assert asyncio.run(ldns.setup()) is None          # idempotent
-    assert _sh("iptables", "-t", "raw", "-S", "PREROUTING", ns=node).stdout.count("CLUSTERDNS-NOTRACK") == 1
+    assert sh("iptables", "-t", "raw", "-S", "PREROUTING", ns=node).count("CLUSTERDNS-NOTRACK") == 1
 
     # Someone inserts a jump above ours (a proxier's full sync does) and flushes our chain.
-    _sh("iptables", "-N", "OTHER", ns=node)
-    _sh("iptables", "-I", "INPUT", "1", "-j", "OTHER", ns=node)
-    _sh("iptables", "-t", "raw", "-F", "CLUSTERDNS-NOTRACK", ns=node)
-    _sh("ip", "addr", "del", "169.254.20.10/32", "dev", "nodelocaldns", ns=node)
+    sh("iptables", "-N", "OTHER", ns=node)
+    sh("iptables", "-I", "INPUT", "1", "-j", "OTHER", ns=node)
+    sh("iptables", "-t", "raw", "-F", "CLUSTERDNS-NOTRACK", ns=node)
+    sh("ip", "addr", "del", "169.254.20.10/32", "dev", "nodelocaldns", ns=node)
     assert asyncio.run(ldns.check()) is True
-    first = [x for x in _sh("iptables", "-S", "INPUT", ns=node).stdout.splitlines() if x.startswith("-A")][0]
+    first = [x for x in sh("iptables", "-S", "INPUT", ns=node).splitlines() if x.startswith("-A")][0]
     assert first.endswith("-j CLUSTERDNS-LOCAL")
-    assert _sh("iptables", "-t", "raw", "-S", "CLUSTERDNS-NOTRACK", ns=node).stdout.count("NOTRACK") >= 8
-    assert "169.254.20.10" in _sh("ip", "-o", "addr", "show", "dev", "nodelocaldns", ns=node).stdout
+    assert sh("iptables", "-t", "raw", "-S", "CLUSTERDNS-NOTRACK", ns=node).count("NOTRACK") >= 8
+    assert "169.254.20.10" in sh("ip", "-o", "addr", "show", "dev", "nodelocaldns", ns=node)
     assert asyncio.run(ldns.check()) is False
 
     removed = asyncio.run(localdns.cleanup(runner))
     assert "device nodelocaldns" in removed
-    assert _sh("ip", "link", "show", "nodelocaldns", check=False, ns=node).returncode != 0
+    assert run("ip", "link", "show", "nodelocaldns", ns=node).returncode != 0
     for table, chain in (("raw", "CLUSTERDNS-NOTRACK"), ("filter", "CLUSTERDNS-LOCAL")):
-        assert _sh("iptables", "-t", table, "-S", chain, check=False, ns=node).returncode != 0
-    saved = _sh("iptables-save", ns=node).stdout
+        assert run("iptables", "-t", table, "-S", chain, ns=node).returncode != 0
+    saved = sh("iptables-save", ns=node)
     assert "CLUSTERDNS" not in saved and "-j OTHER" in saved   # others' rules untouched
     assert asyncio.run(localdns.cleanup(runner)) == []          # nothing left: a no-op
 
@@ -203,13 +175,13 @@ def test_ipv6_local_address(topology):
     runner = SubprocessRunner(prefix=("ip", "netns", "exec", node))
     ldns = localdns.LocalDNS(["fd00:20::a", LOCAL_IP], runner)
     asyncio.run(ldns.setup())
-    assert "fd00:20::a" in _sh("ip", "-6", "-o", "addr", "show", "dev", "nodelocaldns", ns=node).stdout
-    rules = _sh("ip6tables", "-t", "raw", "-S", "CLUSTERDNS-NOTRACK", ns=node).stdout
+    assert "fd00:20::a" in sh("ip", "-6", "-o", "addr", "show", "dev", "nodelocaldns", ns=node)
+    rules = sh("ip6tables", "-t", "raw", "-S", "CLUSTERDNS-NOTRACK", ns=node)
     assert "-d fd00:20::a/128 -p udp -m udp --dport 53" in rules
     assert asyncio.run(ldns.check()) is False
     # A UDP socket can bind the address at once (nodad): what the DNS server does.
     probe = "import socket; s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.bind(('fd00:20::a', 53)); print('ok')"
-    assert _sh(sys.executable, "-c", probe, ns=node).stdout.strip() == "ok"
+    assert sh(PY, "-c", probe, ns=node).strip() == "ok"
     removed = asyncio.run(localdns.cleanup(runner))
     assert any(r.startswith("IPv6 raw") for r in removed)
 
@@ -224,5 +196,5 @@ def test_proxy_cleanup_removes_local_dns_too(topology):
     asyncio.run(localdns.LocalDNS([LOCAL_IP], runner).setup())
     removed = asyncio.run(cleanup(load(["proxy", "--cleanup", "--manifest", "unused.yaml"], env={}), runner))
     assert "device nodelocaldns" in removed
-    assert _sh("ip", "link", "show", "nodelocaldns", check=False, ns=node).returncode != 0
-    assert "CLUSTERDNS" not in _sh("iptables-save", ns=node).stdout
+    assert run("ip", "link", "show", "nodelocaldns", ns=node).returncode != 0
+    assert "CLUSTERDNS" not in sh("iptables-save", ns=node)

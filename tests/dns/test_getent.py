@@ -6,70 +6,42 @@ real glibc stub walks the search list against our server.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.nslib import PY, requires, run, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "clusterdns" / "demo" / "cluster.yaml"
 ADDR = "10.53.0.10"
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
-    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("getent") is None,
-                       reason="needs iproute2 and getent"),
-]
-
-
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=20, check=check)
+pytestmark = [pytest.mark.root, requires("getent")]
 
 
 @pytest.fixture
-def pod_netns():
-    ns = f"cdns-getent-{os.getpid()}"
-    etc = Path("/etc/netns") / ns
-    proc = None
-    try:
-        sh("ip", "netns", "add", ns)
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", ns, "addr", "add", f"{ADDR}/32", "dev", "lo")
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "resolv.conf").write_text(
-            "search testapp.svc.cluster.local svc.cluster.local cluster.local\n"
-            f"nameserver {ADDR}\noptions ndots:5\n")
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "clusterdns", "dns", "--manifest", str(DEMO),
-             "--listen", f"{ADDR}:53", "--no-upstream", "--metrics-listen", "none", "--health-listen", "none"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 15
-        while True:
-            r = sh("ip", "netns", "exec", ns, "getent", "hosts", "kube-dns.kube-system.svc.cluster.local.",
-                   check=False)
-            if r.returncode == 0:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server did not come up in {ns}: {proc.communicate()[0]}")
-            time.sleep(0.2)
-        yield ns
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        sh("ip", "netns", "del", ns, check=False)
-        shutil.rmtree(etc, ignore_errors=True)
+def pod_netns(namespaces):
+    ns = namespaces.add("pod")
+    run("ip", "addr", "add", f"{ADDR}/32", "dev", "lo", ns=ns).check_returncode()
+    namespaces.resolv_conf(ns, "search testapp.svc.cluster.local svc.cluster.local cluster.local\n"
+                               f"nameserver {ADDR}\noptions ndots:5\n")
+    proc = namespaces.spawn(
+        ns, PY, "-m", "clusterdns", "dns", "--manifest", str(DEMO), "--listen", f"{ADDR}:53", "--no-upstream",
+        "--metrics-listen", "none", "--health-listen", "none",
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited in {ns}: {proc.communicate()[0]}")
+        return run("getent", "hosts", "kube-dns.kube-system.svc.cluster.local.", ns=ns).returncode == 0
+    wait_until(up, 15, f"the server in {ns}", interval=0.2)
+    return ns
 
 
 @pytest.mark.parametrize("name", ["testapp-svc", "testapp-svc.testapp", "testapp-svc.testapp.svc.cluster.local."])
 def test_getent_hosts_resolves_the_cluster_ip(pod_netns, name):
-    r = sh("ip", "netns", "exec", pod_netns, "getent", "hosts", name, check=False)
+    r = run("getent", "hosts", name, ns=pod_netns)
     assert r.returncode == 0, r.stderr
     ip, canonical = r.stdout.split()[:2]
     assert ip == "172.20.36.232"
@@ -77,5 +49,5 @@ def test_getent_hosts_resolves_the_cluster_ip(pod_netns, name):
 
 
 def test_getent_unknown_name_fails_cleanly(pod_netns):
-    r = sh("ip", "netns", "exec", pod_netns, "getent", "hosts", "no-such-svc", check=False)
+    r = run("getent", "hosts", "no-such-svc", ns=pod_netns)
     assert r.returncode == 2 and r.stdout == ""

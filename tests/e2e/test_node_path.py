@@ -24,63 +24,28 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
 from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, service
+from tests.nslib import POD_RESOLV, PY, Namespaces, requires, sh, skip_unless, write_manifest
 
-PY = sys.executable
-TAG = f"{os.getpid() % 100000}"
-NODE, CLIENT = f"cde-node-{TAG}", f"cde-client-{TAG}"
+NSS_TAG = "e2e"
+NODE, CLIENT = Namespaces(NSS_TAG).name("node"), Namespaces(NSS_TAG).name("client")
 BACKENDS = {f"be{i}": f"10.161.1.{10 + i}" for i in range(3)}
 CLIENT_IP = "10.161.37.5"
 GW = "10.161.0.1"
 KUBE_DNS = "172.20.0.10"
 SVC_IP, NEW_IP = "172.20.36.232", "172.20.40.40"
 HEALTH = "127.0.0.1:18089"
-RESOLV = "search testapp.svc.cluster.local svc.cluster.local cluster.local\nnameserver 172.20.0.10\noptions ndots:5\n"
 
-
-def _skip_reason() -> str:
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    for tool in ("ip", "iptables-nft-restore", "dig", "getent"):
-        if shutil.which(tool) is None:
-            return f"needs {tool}"
-    return ""
-
-
-pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "ok")]
-
-
-def sh(*argv, ns=None, check=True, timeout=20, input=None):
-    full = (["ip", "netns", "exec", ns] if ns else []) + list(argv)
-    res = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
-    if check and res.returncode != 0:
-        raise AssertionError(f"{' '.join(full)}: {res.stderr.strip() or res.stdout.strip()}")
-    return res.stdout
-
-
-SERVER = textwrap.dedent("""
-    import socket, sys
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", 8080)); s.listen(128)
-    while True:
-        c, _ = s.accept()
-        try:
-            c.sendall(sys.argv[1].encode())
-        finally:
-            c.close()
-""")
+pytestmark = [pytest.mark.root, pytest.mark.slow, requires("iptables-nft-restore", "dig", "getent", "curl")]
 
 # Connects by name COUNT times; prints the backend names that answered (or errors).
+# Backends (tests/nslib/netserver.py) answer "<name> <peer>".
 CLIENT_SCRIPT = textwrap.dedent("""
     import json, socket, sys
     name, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -88,7 +53,7 @@ CLIENT_SCRIPT = textwrap.dedent("""
     for _ in range(count):
         try:
             with socket.create_connection((name, port), timeout=2) as c:
-                out.append(c.recv(64).decode())
+                out.append((c.recv(64).decode().split() or ["empty"])[0])
         except OSError as exc:
             out.append("error:" + exc.__class__.__name__)
     print(json.dumps(out))
@@ -108,7 +73,7 @@ WATCHER = textwrap.dedent("""
     def hit(name):
         try:
             with socket.create_connection((name, 8080), timeout=1) as c:
-                return c.recv(64).decode()
+                return (c.recv(64).decode().split() or ["empty"])[0]
         except OSError as exc:
             return "error:" + exc.__class__.__name__
     while time.monotonic() - t0 < 5 and (t_new is None or t_gone is None or time.monotonic() - t_gone < 1):
@@ -136,44 +101,26 @@ WATCHER = textwrap.dedent("""
 # ---------------------------------------------------------------- topology
 
 class Topology:
-    def __init__(self) -> None:
-        self.namespaces: list[str] = []
-        self.procs: list[subprocess.Popen] = []
+    """client and three backends, each a routed pod of the node."""
 
-    def ns(self, name: str) -> str:
-        return f"cde-{name}-{TAG}" if name not in ("node", "client") else (NODE if name == "node" else CLIENT)
+    def __init__(self) -> None:
+        self.nss = Namespaces(NSS_TAG)
 
     def up(self) -> None:
-        for name in ["node", "client", *BACKENDS]:
-            ns = self.ns(name)
-            sh("ip", "netns", "add", ns)
-            self.namespaces.append(ns)
-            sh("ip", "link", "set", "lo", "up", ns=ns)
-        sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=NODE)
-        sh("ip", "addr", "add", "192.168.49.2/32", "dev", "lo", ns=NODE)
+        nss = self.nss
+        node = nss.add("node")
+        nss.sysctl(node, net__ipv4__ip_forward="1")
+        sh("ip", "addr", "add", "192.168.49.2/32", "dev", "lo", ns=node)
         for i, (name, ip) in enumerate([("client", CLIENT_IP), *BACKENDS.items()]):
-            ns, veth = self.ns(name), f"v{i}-{TAG}"
-            sh("ip", "link", "add", veth, "netns", NODE, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "addr", "add", f"{GW}/32", "dev", veth, ns=NODE)
-            sh("ip", "link", "set", veth, "up", ns=NODE)
-            sh("ip", "route", "add", f"{ip}/32", "dev", veth, ns=NODE)
-            sh("ip", "addr", "add", f"{ip}/32", "dev", "eth0", ns=ns)
-            sh("ip", "link", "set", "eth0", "up", ns=ns)
-            sh("ip", "route", "add", f"{GW}/32", "dev", "eth0", ns=ns)
-            sh("ip", "route", "add", "default", "via", GW, "dev", "eth0", ns=ns)
-        os.makedirs(f"/etc/netns/{CLIENT}", exist_ok=True)
-        with open(f"/etc/netns/{CLIENT}/resolv.conf", "w") as fh:
-            fh.write(RESOLV)
+            pod = nss.add(name)
+            nss.veth(node, f"v{i}", pod, "eth0")
+            nss.routed_pod(node, f"v{i}", pod, ip, GW)
+        nss.resolv_conf(CLIENT, POD_RESOLV)
         for name in BACKENDS:
-            self.procs.append(subprocess.Popen(["ip", "netns", "exec", self.ns(name), PY, "-c", SERVER, name]))
+            nss.backend(nss.name(name), name, 8080)
 
     def down(self) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait()
-        for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        shutil.rmtree(f"/etc/netns/{CLIENT}", ignore_errors=True)
+        self.nss.close()
 
 
 @pytest.fixture
@@ -213,13 +160,6 @@ def objects(endpoints=("be0", "be1", "be2"), new_service=False) -> list[dict]:
         objs += [service("testapp", "testapp-new", NEW_IP, ports=(("http", 8080, "TCP"),)),
                  endpoint_slice("testapp", "testapp-new", [BACKENDS["be2"]], port=8080)]
     return objs
-
-
-def write_manifest(path, objs) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"apiVersion": "v1", "kind": "List", "items": objs}, fh)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- the agent
@@ -329,8 +269,8 @@ def wait_for(pred, agent: AgentProc, what: str, timeout: float = 5.0) -> None:
 
 @pytest.mark.parametrize("mode", ["iptables", "nftables"])
 def test_node_path_from_manifest(topo, tmp_path, mode):
-    if mode == "nftables" and shutil.which("nft") is None:
-        pytest.skip("needs nft")
+    if mode == "nftables":
+        skip_unless("nft")
     path = str(tmp_path / "cluster.json")
     write_manifest(path, objects())
     agent = AgentProc(str(tmp_path / "agent.log"), "--manifest", path, mode=mode)

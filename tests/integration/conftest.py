@@ -1,19 +1,16 @@
 """Fixtures for the namespace tests: one cluster per module, one proxy per mode."""
-import importlib.util
 import os
 
 import pytest
 
-from harness import Cluster, Proxy, manifest, missing_requirements, write_manifest
+from tests.integration.harness import Cluster, Proxy, manifest, missing_requirements
+from tests.nslib import write_manifest
 
 MODES = ["iptables", "nftables"]
 
 
 def _skip_reason(mode: str) -> str:
-    reason = missing_requirements((mode,))
-    if not reason and mode == "nftables" and importlib.util.find_spec("clusterdns.proxy.nftables") is None:
-        reason = "nftables mode not built yet (clusterdns.proxy.nftables missing)"
-    return reason
+    return missing_requirements((mode,))
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,12 @@ test sees both which endpoint it reached and whether it was masqueraded.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PY = sys.executable
+from tests.nslib import PY, Namespaces, connect, missing, sh
 
 NODE_IP = "192.168.49.2"
 NODE_POD_GW = "10.161.0.1"          # the node's address towards pods: what masquerade shows
@@ -45,22 +40,9 @@ TCP_PORT, UDP_PORT = 8080, 5353
 
 
 def missing_requirements(modes=("iptables",)) -> str:
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    tools = ["ip", "conntrack"] + (["iptables-nft-restore"] if "iptables" in modes else []) + \
+    tools = ["conntrack"] + (["iptables-nft-restore"] if "iptables" in modes else []) + \
         (["nft"] if "nftables" in modes else [])
-    for tool in tools:
-        if shutil.which(tool) is None:
-            return f"needs {tool}"
-    return ""
-
-
-def sh(*argv: str, check: bool = True, ns: str | None = None, input: str | None = None) -> str:
-    full = (["ip", "netns", "exec", ns] if ns else []) + list(argv)
-    res = subprocess.run(full, capture_output=True, text=True, input=input)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"{' '.join(full)}: {res.stderr.strip() or res.stdout.strip()}")
-    return res.stdout
+    return missing(*tools)
 
 
 @dataclass
@@ -92,12 +74,10 @@ class Outcome:
 
 @dataclass
 class Cluster:
-    tag: str = field(default_factory=lambda: f"{os.getpid()}")
-    procs: list = field(default_factory=list)
-    namespaces: list = field(default_factory=list)
+    nss: Namespaces = field(default_factory=lambda: Namespaces("cl"))
 
     def ns(self, name: str) -> str:
-        return f"cdn-{name}-{self.tag}"
+        return self.nss.name(name)
 
     @property
     def node(self) -> str:
@@ -105,26 +85,22 @@ class Cluster:
 
     # -- build and tear down
     def up(self) -> None:
+        nss = self.nss
         for name in ["node", "ext", *PODS]:
-            sh("ip", "netns", "add", self.ns(name))
-            self.namespaces.append(self.ns(name))
-            sh("ip", "link", "set", "lo", "up", ns=self.ns(name))
+            nss.add(name)
         node = self.node
         # No ICMP redirects: the node forwards ext's packets for unassigned
         # addresses back out the link they came from, and ext would act on a
         # redirect instead of seeing the REJECT.
-        for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.route_localnet", "1"),
-                           ("net.ipv4.conf.all.rp_filter", "0"), ("net.ipv4.conf.default.rp_filter", "0"),
-                           ("net.ipv4.conf.all.send_redirects", "0"), ("net.ipv4.conf.default.send_redirects", "0"),
-                           ("net.ipv6.conf.all.forwarding", "1")):
-            sh("sysctl", "-qw", f"{key}={value}", ns=node)
+        nss.sysctl(node, net__ipv4__ip_forward="1", net__ipv4__conf__all__route_localnet="1",
+                   net__ipv4__conf__all__rp_filter="0", net__ipv4__conf__default__rp_filter="0",
+                   net__ipv4__conf__all__send_redirects="0", net__ipv4__conf__default__send_redirects="0",
+                   net__ipv6__conf__all__forwarding="1")
         ext = self.ns("ext")
-        sh("ip", "link", "add", "to-ext", "netns", node, "type", "veth", "peer", "name", "eth0", "netns", ext)
+        nss.veth(node, "to-ext", ext, "eth0")
         sh("ip", "addr", "add", f"{NODE_IP}/24", "dev", "to-ext", ns=node)
-        sh("ip", "link", "set", "to-ext", "up", ns=node)
         for ip in EXT_IPS:
             sh("ip", "addr", "add", f"{ip}/24", "dev", "eth0", ns=ext)
-        sh("ip", "link", "set", "eth0", "up", ns=ext)
         sh("ip", "addr", "add", f"{NODE_IP6}/64", "dev", "to-ext", "nodad", ns=node)
         sh("ip", "addr", "add", f"{EXT_IP6}/64", "dev", "eth0", "nodad", ns=ext)
         # External clients reach service addresses through the node.
@@ -137,25 +113,12 @@ class Cluster:
         sh("ip", "-6", "route", "add", "default", "via", EXT_IP6, ns=node)
         for i, (name, ip) in enumerate(PODS.items()):
             pod, dev = self.ns(name), f"vp{i}"
-            sh("ip", "link", "add", dev, "netns", node, "type", "veth", "peer", "name", "eth0", "netns", pod)
-            sh("ip", "addr", "add", f"{NODE_POD_GW}/32", "dev", dev, ns=node)
-            sh("ip", "link", "set", dev, "up", ns=node)
-            sh("ip", "route", "add", f"{ip}/32", "dev", dev, ns=node)
-            sh("ip", "addr", "add", f"{ip}/32", "dev", "eth0", ns=pod)
-            sh("ip", "link", "set", "eth0", "up", ns=pod)
-            sh("ip", "route", "add", NODE_POD_GW, "dev", "eth0", ns=pod)
-            sh("ip", "route", "add", "default", "via", NODE_POD_GW, "dev", "eth0", ns=pod)
-            ip6 = PODS6[name]
-            sh("ip", "addr", "add", f"{NODE_POD_GW6}/128", "dev", dev, "nodad", ns=node)
-            sh("ip", "-6", "route", "add", f"{ip6}/128", "dev", dev, ns=node)
-            sh("ip", "addr", "add", f"{ip6}/128", "dev", "eth0", "nodad", ns=pod)
-            sh("ip", "-6", "route", "add", NODE_POD_GW6, "dev", "eth0", ns=pod)
-            sh("ip", "-6", "route", "add", "default", "via", NODE_POD_GW6, "dev", "eth0", ns=pod)
+            nss.veth(node, dev, pod, "eth0")
+            nss.routed_pod(node, dev, pod, ip, NODE_POD_GW)
+            nss.routed_pod(node, dev, pod, PODS6[name], NODE_POD_GW6)
         self.add_foreign_rules()
         for name in BACKENDS:
-            self.procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", self.ns(name), PY, os.path.join(HERE, "netserver.py"), name,
-                 str(TCP_PORT), str(UDP_PORT)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            nss.backend(self.ns(name), name, TCP_PORT, UDP_PORT)
         deadline = time.monotonic() + 10
         for name in BACKENDS:
             while True:
@@ -183,25 +146,12 @@ class Cluster:
             "  tcp dport 9998 accept\n }\n}\n"))
 
     def down(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        self.procs.clear()
-        for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.namespaces.clear()
+        self.nss.close()
 
     # -- traffic
     def connect(self, src: str, proto: str, host: str, port: int, count: int, *, bind: str = "",
                 sport: int = 0, timeout: float = 1.0, path: str = "/") -> Outcome:
-        argv = [PY, os.path.join(HERE, "netclient.py"), proto, host, str(port), str(count),
-                "--timeout", str(timeout), "--path", path]
-        if bind:
-            argv += ["--bind", bind]
-        if sport:
-            argv += ["--sport", str(sport)]
-        out = json.loads(sh(*argv, ns=self.ns(src)))
+        out = connect(self.ns(src), proto, host, port, count, bind=bind, sport=sport, timeout=timeout, path=path)
         return Outcome(out["answers"], out["errors"], out["local"])
 
     def save_rules(self) -> str:
@@ -328,13 +278,6 @@ def manifest(dns_pods=("pod0", "pod1", "pod2"), late=False) -> dict:
         slice_("hairpin", ("pod0",), HTTP_EP),
     ]
     return {"apiVersion": "v1", "kind": "List", "items": items}
-
-
-def write_manifest(path: str, doc: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh)
-    os.replace(tmp, path)
 
 
 class Proxy:

@@ -8,7 +8,7 @@ about a 1-in-60,000 event.
 """
 import pytest
 
-from harness import (
+from tests.integration.harness import (
     DNS_IP, DRAINING, EMPTY, EXT_IPS, EXTERNAL_IP, HAIRPIN, ITP_LOCAL, ITP_NONE_LOCAL, LB_IP, LOCAL_SVC,
     NODE_IP, NP_CLUSTER, NP_LOCAL, PART_DRAINING, WEB,
 )

@@ -3,10 +3,10 @@ import time
 
 import pytest
 
-from harness import (
-    DNS_IP, EMPTY, EXTERNAL_IP, HCNP, LATE, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY,
-    WEB, manifest, sh, write_manifest,
+from tests.integration.harness import (
+    DNS_IP, EMPTY, EXTERNAL_IP, HCNP, LATE, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY, WEB, manifest,
 )
+from tests.nslib import sh, write_manifest
 
 READY = {"pod0", "pod1", "pod2"}
 
@@ -135,7 +135,7 @@ def test_metrics_and_healthz(proxy, cluster):
 @pytest.mark.parametrize("src", ["client", "node"])
 def test_dual_stack_service_over_ipv6(proxy, cluster, src):
     """The node has an IPv6 --node-ip too: the proxier programs the IPv6 family as well."""
-    from harness import NODE_POD_GW6, PODS6, WEB_DS, WEB_DS6
+    from tests.integration.harness import NODE_POD_GW6, PODS6, WEB_DS, WEB_DS6
     out6 = cluster.connect(src, "tcp", WEB_DS6, 80, 150)
     assert_spread(out6, READY, 150)
     assert out6.peers == ({PODS6["client"]} if src == "client" else {NODE_POD_GW6})

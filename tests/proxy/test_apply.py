@@ -138,18 +138,6 @@ def test_drop_present_inserts():
 
 # ---------------------------------------------------------------- real tools
 
-@pytest.fixture
-def netns():
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a network namespace")
-    name = f"cdn-apply-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name])
-
-
 @pytest.mark.skipif(shutil.which("iptables-nft-restore") is None, reason="needs iptables-nft-restore")
 def test_real_iptables_restore_and_refusal(netns):
     exe = IptablesExecutor(SubprocessRunner(["ip", "netns", "exec", netns]), 4, "nft")

@@ -1,15 +1,12 @@
 """Which UDP flows are stale (pure), and the real conntrack CLI deleting them."""
 import asyncio
-import os
-import shutil
 import subprocess
-
-import pytest
 
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
 from clusterdns.proxy.apply import Result, SubprocessRunner
 from clusterdns.proxy.conntrack import ConntrackCleaner, Flow, deleted_count, stale_flows
 from clusterdns.state import state_from_records
+from tests.nslib import requires
 
 
 def dns_service(node_port=0, extra_ips=(), proto="UDP"):
@@ -100,19 +97,7 @@ def test_argv_and_exit_codes():
     assert deleted_count(Result(("conntrack",), 1, "", "conntrack: Operation not permitted")) is None
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("conntrack") is None,
-                                reason="needs root and the conntrack CLI")
-
-
-@pytest.fixture
-def netns():
-    name = f"cdn-ct-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name])
+needs_root = requires("conntrack")
 
 
 def _insert(ns, client_port, backend):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import textwrap
 from dataclasses import replace
@@ -18,6 +17,7 @@ from clusterdns.proxy import iptables
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.nslib import requires
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = bool(os.environ.get("UPDATE_GOLDEN"))
@@ -216,24 +216,7 @@ KUBE_PROXY_EXPECTED = textwrap.dedent("""\
     """)
 
 
-def netns_name(tag: str) -> str:
-    return f"cdns-{tag}-{os.getpid()}"
-
-
-needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                 reason="needs root and iproute2 for a network namespace")
-
-
-@pytest.fixture
-def netns():
-    if shutil.which("iptables-restore") is None:
-        pytest.skip("iptables-restore is not installed")
-    name = netns_name("ipt")
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+needs_netns = requires("iptables-restore")
 
 
 def restore(ns: str, text: str, family: int = 4, test: bool = False) -> subprocess.CompletedProcess:

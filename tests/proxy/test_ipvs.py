@@ -1,7 +1,6 @@
 """IPVS mode: the generated ipvsadm-restore, ipset and iptables inputs; real ipset/iptables in a namespace."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from dataclasses import replace
@@ -13,6 +12,7 @@ from clusterdns.model import LOAD_BALANCER, Endpoint, EndpointPort, EndpointSlic
 from clusterdns.proxy import ipvs
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import state_from_records
+from tests.nslib import requires
 
 CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",), cluster_cidrs=("10.161.0.0/16",))
 
@@ -123,18 +123,7 @@ def test_rules_command_prints_three_sections(capsys):
 
 # ---------------------------------------------------------------- real tools
 
-needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                 reason="needs root and iproute2 for a network namespace")
-
-
-@pytest.fixture
-def netns():
-    name = f"cdns-ipvs-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+needs_netns = requires()
 
 
 def run(ns, argv, text):
@@ -168,13 +157,7 @@ def test_ipsets_and_iptables_accepted(netns):
     assert run(netns, ["ipset", "restore"], ipvs.cleanup(4).ipsets).returncode == 0   # nothing left: still fine
 
 
-def _kernel_has_ipvs() -> bool:
-    return os.path.exists("/proc/net/ip_vs")
-
-
-@needs_netns
-@pytest.mark.skipif(not _kernel_has_ipvs(), reason="this kernel has no IPVS (ip_vs module absent)")
-@pytest.mark.skipif(shutil.which("ipvsadm-restore") is None, reason="ipvsadm is not installed")
+@requires("ipvsadm-restore", ipvs=True)
 def test_ipvsadm_restore_in_kernel(netns):
     conf = ipvs.render(demo_state(), CFG, 4)
     r = run(netns, ["ipvsadm-restore"], conf.ipvsadm)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import subprocess
 import textwrap
 from dataclasses import replace
@@ -16,6 +15,7 @@ from clusterdns.model import LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, E
 from clusterdns.proxy import nflink, nftables
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.nslib import requires
 
 CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
              cluster_cidrs=("10.0.0.0/8",), service_cidrs=("10.96.0.0/12",))
@@ -111,27 +111,15 @@ def test_full_render_falls_back_but_incremental_does_not():
 
 # ---------------------------------------------------------------- in the kernel
 
-needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,
-                                 reason="needs root, ip and nft")
-
-
-def _ns(tag: str):
-    name = f"cdns-nfl-{tag}-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    return name
+needs_netns = requires("nft")
 
 
 @pytest.fixture
-def pair():
-    names = []
+def pair(namespaces):
     try:
-        names.append(_ns("a"))
-        names.append(_ns("b"))
-        yield names
+        yield [namespaces.add("a"), namespaces.add("b")]
     finally:
         nflink.close_all()
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def nft(ns: str, text: str) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import textwrap
 import time
@@ -19,6 +18,7 @@ from clusterdns.proxy import nftables
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.nslib import requires
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = bool(os.environ.get("UPDATE_GOLDEN"))
@@ -237,20 +237,7 @@ def test_cleanup_text():
 
 # ---------------------------------------------------------------- the real nft
 
-needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                 reason="needs root and iproute2 for a network namespace")
-
-
-@pytest.fixture
-def netns():
-    if shutil.which("nft") is None:
-        pytest.skip("nft is not installed")
-    name = f"cdns-nft-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+needs_netns = requires("nft")
 
 
 def nft(ns: str, text: str, check: bool = False) -> subprocess.CompletedProcess:

@@ -4,8 +4,6 @@ import asyncio
 import dataclasses
 import io
 import json
-import os
-import shutil
 
 import pytest
 
@@ -16,6 +14,7 @@ from clusterdns.proxy.healthcheck import ProxierHealth, ServiceHealthServers, lo
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
 from clusterdns.state import StateStore
 from tests.netutil import free_port
+from tests.nslib import requires
 
 BASE = ["proxy", "--manifest", DEMO_MANIFEST, "--node-ip", "192.168.49.2", "--node-name", "node-a",
         "--cluster-cidr", "10.161.0.0/16", "--min-sync-period", "0", "--apply"]
@@ -410,31 +409,26 @@ def test_proxy_command_with_a_broken_manifest_exits_2(tmp_path, capsys):
     assert len(err) == 1 and str(bad) in err[0]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables-legacy-restore") is None,
-                    reason="needs root and iptables-legacy")
-def test_cleanup_removes_rules_of_the_legacy_backend_too():
+@requires("iptables-legacy-restore")
+def test_cleanup_removes_rules_of_the_legacy_backend_too(netns):
     import subprocess
 
     from clusterdns.proxy import iptables
     from clusterdns.proxy.apply import SubprocessRunner
-    ns = f"cdn-legacy-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        cfg = cfg_of()
-        store = StateStore()
-        publish(store, demo_records())
-        text = iptables.render(store.current, cfg, 4).text
-        subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-restore", "--noflush"], input=text,
-                       text=True, check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy", "-A", "INPUT", "-p", "tcp", "--dport",
-                        "9999", "-j", "ACCEPT"], check=True)
-        done = asyncio.run(px.cleanup(cfg, SubprocessRunner(["ip", "netns", "exec", ns])))
-        assert "iptables-legacy IPv4" in done
-        left = subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-save"], capture_output=True,
-                              text=True).stdout
-        assert "KUBE-" not in left and "--dport 9999 -j ACCEPT" in left
-    finally:
-        subprocess.run(["ip", "netns", "del", ns])
+    ns = netns
+    cfg = cfg_of()
+    store = StateStore()
+    publish(store, demo_records())
+    text = iptables.render(store.current, cfg, 4).text
+    subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-restore", "--noflush"], input=text,
+                   text=True, check=True)
+    subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy", "-A", "INPUT", "-p", "tcp", "--dport",
+                    "9999", "-j", "ACCEPT"], check=True)
+    done = asyncio.run(px.cleanup(cfg, SubprocessRunner(["ip", "netns", "exec", ns])))
+    assert "iptables-legacy IPv4" in done
+    left = subprocess.run(["ip", "netns", "exec", ns, "iptables-legacy-save"], capture_output=True,
+                          text=True).stdout
+    assert "KUBE-" not in left and "--dport 9999 -j ACCEPT" in left
 
 
 async def test_dry_run_prints_again_only_when_something_changed():
