@@ -183,7 +183,7 @@ class Engine:
         bodies = entry.bodies
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
         flags = entry.flags | ((data[2] << 8 | data[3]) & 0x0110)
-        if 12 + (qend - 12) + len(body.data) + len(opt) > limit:
+        if qend + len(body.data) + len(opt) > limit or body.spots:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
         return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
                          data[12:qend], body.data, opt))
@@ -429,12 +429,15 @@ class Engine:
         lower = tuple(l.lower() for l in raw_labels)
         flags = QR | AA | ans.rcode
         answer = ans.answer
-        first = pack_body(lower, answer, ans.authority, ans.additional)
+        zl = len(ans.zone)
+        if not zl or tuple(l.decode("latin-1") for l in lower[len(lower) - zl:]) != ans.zone:
+            zl = None
+        first = pack_body(lower, answer, ans.authority, ans.additional, zone_len=zl)
         bodies = [first]
         if len(answer) > 1:
             bodies = _rotated(first) if not ans.authority and not ans.additional else None
             if bodies is None:
-                bodies = [pack_body(lower, v, ans.authority, ans.additional) for v in rotations(answer)]
+                bodies = [pack_body(lower, v, ans.authority, ans.additional, zone_len=zl) for v in rotations(answer)]
         negative = not ans.answer and len(ans.authority) == 1 and not ans.additional
         return Entry(flags, bodies, ans.cacheable, ans.dep, self._view_serial(ans) if negative else None)
 

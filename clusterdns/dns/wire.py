@@ -34,11 +34,17 @@ MAX_TCP = 65535
 
 
 class Body:
-    """Packed records after the question: `data`, end offset of each record, section counts."""
-    __slots__ = ("data", "ends", "an", "ns", "ar")
+    """Packed records after the question: `data`, end offset of each record, section counts.
 
-    def __init__(self, data: bytes, ends: Sequence[int], an: int, ns: int, ar: int) -> None:
+    `spots`: offsets in `data` where the zone's labels are written out in full (inside SRV
+    targets, which are never compressed), `zlen` bytes each: render() writes them as the
+    question spells its zone. `cut`: more records existed than were packed (see pack_body)."""
+    __slots__ = ("data", "ends", "an", "ns", "ar", "spots", "zlen", "cut")
+
+    def __init__(self, data: bytes, ends: Sequence[int], an: int, ns: int, ar: int,
+                 spots: tuple[int, ...] = (), zlen: int = 0, cut: bool = False) -> None:
         self.data, self.ends, self.an, self.ns, self.ar = data, tuple(ends), an, ns, ar
+        self.spots, self.zlen, self.cut = spots, zlen, cut
 
 
 class Entry:
@@ -53,13 +59,17 @@ class Entry:
     def with_serial(self, serial: int) -> "Entry":
         """The same negative answer with another SOA serial (patched in place of the old one)."""
         patch = struct.pack(">I", serial)
-        bodies = [Body(b.data[:-20] + patch + b.data[-16:], b.ends, b.an, b.ns, b.ar) for b in self.bodies]
+        bodies = [Body(b.data[:-20] + patch + b.data[-16:], b.ends, b.an, b.ns, b.ar, b.spots, b.zlen, b.cut)
+                  for b in self.bodies]
         return Entry(self.flags, bodies, self.cacheable, self.dep, serial)
 
 
 class _Buffer(DNSBuffer):
     """dnslib's buffer, but never pointing past offset 0x3FFF (a 14-bit pointer cannot;
-    dnslib would write a corrupt one in messages over 16 KiB)."""
+    dnslib would write a corrupt one in messages over 16 KiB). `exact`: a name that is a
+    compression target only as a whole (the question, see pack_body)."""
+
+    exact: tuple | None = None
 
     def encode_name(self, name) -> None:
         # dnslib's algorithm, with the name's bytes joined and appended once (it is the
@@ -67,6 +77,10 @@ class _Buffer(DNSBuffer):
         if not isinstance(name, DNSLabel):
             name = DNSLabel(name)
         labels = tuple(name.label)
+        if labels == self.exact:
+            self.data += b"\xc0\x0c"
+            self.offset += 2
+            return
         if len(b".".join(labels)) > 253:
             raise DNSLabelError(f"name too long: {name!r}")
         names = self.names
@@ -92,24 +106,63 @@ class _Buffer(DNSBuffer):
         self.data += data
 
 
+BODY_BUDGET = MAX_TCP      # bytes of records worth packing: no reply carries more
+
+
+def zone_wire(labels: Sequence[bytes]) -> bytes:
+    return b"".join(bytes((len(x),)) + x for x in labels)
+
+
 def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[RR] = (),
-              additional: Iterable[RR] = ()) -> Body:
-    """Pack records as they follow a question for `qname` (labels as bytes)."""
+              additional: Iterable[RR] = (), zone_len: int | None = None,
+              budget: int = BODY_BUDGET) -> Body:
+    """Pack records as they follow a question for `qname` (labels as bytes).
+
+    `zone_len`: the question's last `zone_len` labels are the served zone. Names made from
+    objects are then spelled as CoreDNS spells them: their own labels, then the zone as the
+    question spells it. So only the whole question (as the owner of answer and authority
+    records) and the zone (and its parents) are compression targets, and SRV targets ending
+    in the zone are noted in `spots`.
+    Packing stops once the records pass `budget` bytes (the sections may be generators):
+    what no reply can carry is never built; the Body is then `cut` (replies set TC)."""
     buf = _Buffer()
     buf.append(b"\x00" * 12)
-    buf.encode_name(DNSLabel(tuple(qname)))
+    qname = tuple(qname)
+    buf.encode_name(DNSLabel(qname))
+    zwire = b""
+    if zone_len is not None:
+        n = len(qname)
+        for i in range(0, n - zone_len):
+            buf.names.pop(qname[i:], None)
+        if n > zone_len:
+            buf.exact = qname
+        zwire = zone_wire(qname[n - zone_len:]) if zone_len else b""
     buf.pack("!HH", 0, 1)
     start = buf.offset
     ends: list[int] = []
     counts = []
-    for section in (answer, authority, additional):
+    spots: list[int] = []
+    zl = len(zwire)
+    cut = False
+    for i, section in enumerate((answer, authority, additional)):
         k = 0
-        for rr in section:
-            rr.pack(buf)
-            ends.append(buf.offset - start)
-            k += 1
+        if i == 2:
+            buf.exact = None     # glue is owned by object names, even the one the question asked
+        if not cut:
+            for rr in section:
+                rr.pack(buf)
+                end = buf.offset - start
+                ends.append(end)
+                k += 1
+                if zl and rr.rtype == SRV:
+                    at = end - 1 - zl
+                    if buf.data[start + at:start + end - 1] == zwire:
+                        spots.append(at)
+                if end > budget:
+                    cut = True
+                    break
         counts.append(k)
-    return Body(bytes(buf.data[start:]), ends, *counts)
+    return Body(bytes(buf.data[start:]), ends, *counts, tuple(spots), zl, cut)
 
 
 def ttl_offsets(body: Body) -> tuple[int, ...]:
@@ -135,7 +188,7 @@ def with_ttl(body: Body, offsets: Sequence[int], ttl: int) -> Body:
     data = bytearray(body.data)
     for off in offsets:
         struct.pack_into(">I", data, off, ttl)
-    return Body(bytes(data), body.ends, body.an, body.ns, body.ar)
+    return Body(bytes(data), body.ends, body.an, body.ns, body.ar, body.spots, body.zlen, body.cut)
 
 
 def opt_record(udp_size: int, do: bool, ext_rcode: int = 0) -> bytes:
@@ -146,23 +199,40 @@ def opt_record(udp_size: int, do: bool, ext_rcode: int = 0) -> bytes:
 def render(body: Body, flags: int, query: bytes, question: bytes, qdcount: int, opt: bytes, limit: int) -> bytes:
     """A reply: ID and RD/CD from `query`, our flags, the question bytes, the body, the OPT.
 
-    Records are dropped from the end until the reply fits `limit`; TC is then set.
+    Records are dropped from the end until the reply fits `limit`; TC is then set
+    (also when the body itself was cut short).
     """
     qflags = (query[2] << 8 | query[3]) & QUERY_FLAGS if len(query) >= 4 else 0
     head = query[:2] if len(query) >= 2 else b"\x00\x00"
     fixed = 12 + len(question) + len(opt)
     data = body.data
+    if body.spots:
+        data = spell_zone(body, question)
     an, ns, ar = body.an, body.ns, body.ar
     if fixed + len(data) > limit:
         keep = bisect_right(body.ends, limit - fixed)
         data = data[:body.ends[keep - 1]] if keep else b""
         an, ns, ar = min(an, keep), min(ns, max(0, keep - an)), max(0, keep - an - ns)
         flags |= TC
+    elif body.cut:
+        flags |= TC
     return b"".join((head, struct.pack(">HHHHH", flags | qflags, qdcount, an, ns, ar + (1 if opt else 0)),
                      question, data, opt))
 
 
 EMPTY = Body(b"", (), 0, 0, 0)
+
+
+def spell_zone(body: Body, question: bytes) -> bytes:
+    """body.data with the zone inside SRV targets spelled as in `question` (name, type, class)."""
+    zl = body.zlen
+    zone = question[len(question) - 5 - zl:len(question) - 5]
+    if len(zone) != zl or zone == zone.lower():
+        return body.data
+    data = bytearray(body.data)
+    for at in body.spots:
+        data[at:at + zl] = zone
+    return bytes(data)
 
 
 def question_end(data: bytes) -> int:
@@ -215,4 +285,4 @@ def rotations(answer: list[RR], max_variants: int = 8) -> list[list[RR]]:
 
 
 __all__ = ["Body", "Entry", "pack_body", "ttl_offsets", "with_ttl", "render", "opt_record", "question_end", "qname_labels",
-           "udp_limit", "rotations", "DNSBufferError", "QTYPE"]
+           "udp_limit", "rotations", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]

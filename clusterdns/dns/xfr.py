@@ -1,13 +1,17 @@
 """Zone transfer (AXFR, and IXFR answered as a full transfer) of a served forward zone.
 
-The records are exactly what queries return: SOA, NS and glue, then every
-served Service in (namespace, name) order: its A/AAAA, its CNAME
-(ExternalName), SRV at each named port, and for headless Services each
-endpoint name; the SOA closes the transfer. Messages stay well under 64 KiB.
+The records are what queries return: SOA, NS and glue, then every served
+Service in (namespace, name) order: its A/AAAA, its CNAME (ExternalName), SRV
+at its name (ClusterIP Services) and at each named port, and for headless
+Services each endpoint name; the SOA closes the transfer. Messages stay well
+under 64 KiB. SRV weights are as CoreDNS's transfer writes them: per owner
+name and port, 100 / the number of such records (a query's weight counts
+every match of the name instead).
 """
 from __future__ import annotations
 
 from dnslib import RR
+from dnslib import SRV as RD_SRV
 from dnslib.label import DNSBuffer
 
 from .names import Labels
@@ -32,6 +36,8 @@ def transfer_records(view: ZoneView, zone: Labels) -> list[RR]:
             continue
         for qtype in (A, AAAA):
             out += view.lookup(name, qtype).answer
+        if sd.kind == "cluster":
+            out += view.lookup(name, SRV).answer
         ports: dict[tuple[str, str], None] = {}
         if sd.kind == "cluster":
             for p in sd.svc.ports:
@@ -50,6 +56,24 @@ def transfer_records(view: ZoneView, zone: Labels) -> list[RR]:
                 for qtype in (A, AAAA):
                     out += view.lookup((ep,) + name, qtype).answer
     out.append(soa)
+    return _transfer_weights(out)
+
+
+def _transfer_weights(records: list[RR]) -> list[RR]:
+    """SRV weight = max(1, 100 // n), n = SRV records of the same owner name and port."""
+    counts: dict[tuple, int] = {}
+    for rr in records:
+        if rr.rtype == SRV:
+            k = (str(rr.rname).lower(), rr.rdata.port)
+            counts[k] = counts.get(k, 0) + 1
+    out = []
+    for rr in records:
+        if rr.rtype == SRV:
+            w = max(1, 100 // counts[(str(rr.rname).lower(), rr.rdata.port)])
+            if w != rr.rdata.weight:
+                d = rr.rdata
+                rr = RR(rr.rname, SRV, ttl=rr.ttl, rdata=RD_SRV(d.priority, w, d.port, d.target))
+        out.append(rr)
     return out
 
 
@@ -66,12 +90,12 @@ def transfer_bodies(view: ZoneView, zone: Labels, question: tuple[bytes, ...]) -
     for rr in transfer_records(view, zone):
         n = _size(rr)
         if chunk and size + n > MESSAGE_BUDGET:
-            bodies.append(pack_body(lower, chunk))
+            bodies.append(pack_body(lower, chunk, zone_len=len(lower)))
             chunk, size = [], 0
         chunk.append(rr)
         size += n
     if chunk:
-        bodies.append(pack_body(lower, chunk))
+        bodies.append(pack_body(lower, chunk, zone_len=len(lower)))
     return bodies
 
 

@@ -72,7 +72,7 @@ _ENT = _Res(has_data=False)
 
 class ServiceData:
     """What DNS needs of one Service and its EndpointSlices; reused while both are unchanged."""
-    __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "ready", "_by_name", "target")
+    __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "ready", "_by_name", "_eps_by_name", "target")
 
     def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool):
         self.svc, self.slices = svc, slices
@@ -108,16 +108,27 @@ class ServiceData:
                         ready.append((name, ip, sl.ports))
         self.ready = tuple(ready)
         self._by_name: dict[str, list[str]] | None = None
+        self._eps_by_name: dict[str, list[tuple]] | None = None
 
     def by_name(self) -> dict[str, list[str]]:
+        """Endpoint name -> its addresses (no duplicates)."""
         if self._by_name is None:
             out: dict[str, list[str]] = {}
-            for name, ip, _ in self.ready:
+            eps: dict[str, list[tuple]] = {}
+            for entry in self.ready:
+                name, ip = entry[0], entry[1]
+                eps.setdefault(name, []).append(entry)
                 ips = out.setdefault(name, [])
                 if ip not in ips:
                     ips.append(ip)
-            self._by_name = out
+            self._by_name, self._eps_by_name = out, eps
         return self._by_name
+
+    def endpoint_entries(self, name: str) -> list[tuple]:
+        """The (name, address, ports) entries of the endpoints called `name`."""
+        if self._eps_by_name is None:
+            self.by_name()
+        return self._eps_by_name.get(name, [])
 
     def ready_ips(self, v6: bool) -> list[str]:
         seen: dict[str, None] = {}
@@ -415,7 +426,15 @@ class ZoneView:
                 ips = sd.by_name().get(p.endpoint)
                 if not ips:
                     return None
-                res = _Res(self._addr(owner, ips, qtype))
+                if qtype == SRV:
+                    # CoreDNS: the endpoint's own ports, target its name, its addresses as glue
+                    svc = sd.svc
+                    target = (p.endpoint, svc.name, svc.namespace, "svc") + zone
+                    entries = [(target, ip, port.port)
+                               for _, ip, ports in sd.endpoint_entries(p.endpoint) for port in ports]
+                    res = _Res(*self._srv(owner, entries))
+                else:
+                    res = _Res(self._addr(owner, ips, qtype))
             else:
                 res = self._port_node(sd, owner, zone, qtype, p.port, p.proto)
             if res is not None:

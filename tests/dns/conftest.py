@@ -81,3 +81,39 @@ def lines(section) -> list[str]:
         for line in rrset.to_text().splitlines():
             out.append(line.lower())
     return sorted(out)
+
+
+class LiveServer:
+    """The real DNS server (DnsService: UDP and TCP sockets) on 127.0.0.1, its event loop in a
+    thread, answering from `records`; queried with dnspython over real sockets."""
+
+    def __init__(self, records, **options) -> None:
+        import threading
+
+        from clusterdns.dns.server import DnsService
+        forwarder = options.pop("forwarder", None)
+        options.setdefault("no_upstream", forwarder is None)
+        self.cfg = replace(Config(), listen=("127.0.0.1:0",), **options)
+        self.store = StateStore(clock=lambda: SERIAL - 1)
+        publish(self.store, records)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.service = DnsService(self.cfg, self.store, forwarder=forwarder)
+        self._call(self.service.start())
+        self.port = self.service.bound[0][1]
+
+    def _call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def query(self, name: str, rdtype: str = "A", tcp: bool = False, timeout: float = 5.0, **kw):
+        import dns.query
+        q = dns.message.make_query(name, rdtype, **kw)
+        send = dns.query.tcp if tcp else dns.query.udp
+        return send(q, "127.0.0.1", port=self.port, timeout=timeout)
+
+    def close(self) -> None:
+        self._call(self.service.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
