@@ -32,6 +32,7 @@ from .config import ConfigError, load
 from .health import HealthServer
 from .localdns import LocalDNS, LocalDNSError
 from .localdns import cleanup as localdns_cleanup
+from .metrics import DNS as DNS_REGISTRY
 from .metrics import REGISTRY
 from .model import KINDS, Endpoint, EndpointSlice, Service
 from .proxy.healthcheck import aiohttp_handler
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 DNS_PROGRAMMING = Histogram(
     "coredns_kubernetes_dns_programming_duration_seconds",
     "Time from an EndpointSlice change (its last-change-trigger-time) to DNS serving it.",
-    ["service_kind"], registry=REGISTRY,
+    ["service_kind"], registry=DNS_REGISTRY,
     buckets=tuple(0.001 * 2 ** i for i in range(20)))
 RELOADS = Counter("clusterdns_config_reloads_total",
                   "Configuration reloads by result (applied, unchanged, failed).",
@@ -270,7 +271,7 @@ SOURCE_FIELDS = {"manifest", "kubeconfig", "demo", "pods", "autopath", "node_nam
 PROXY_FIELDS = {"node_name", "node_ips", "cluster_cidrs", "service_cidrs", "masquerade_all",
                 "masquerade_bit", "nodeport_addresses", "localhost_nodeports", "proxy_mode", "apply",
                 "ip_family", "sync_period", "min_sync_period", "demo"}
-HEALTH_FIELDS = {"health_listen", "metrics_listen"}
+HEALTH_FIELDS = {"health_listen", "metrics_listen", "proxy_metrics_listen", "proxy_mode"}
 AGENT_FIELDS = {"lameduck", "log_level", "config_file", "loop", "command", "cleanup"}
 LOCAL_FIELDS = {"local_ips", "apply", "demo"}
 
@@ -387,7 +388,7 @@ class Agent:
         self._spawn("localdns", self.localdns.run())
 
     async def _start_health(self) -> None:
-        health = HealthServer(self.cfg)
+        health = HealthServer(self.cfg, roles=("dns",) if self.cfg.proxy_mode == "none" else ("dns", "proxy"))
         self._add_ready_checks(health)
 
         async def proxier_health(request):
@@ -439,8 +440,11 @@ class Agent:
         text = banner(self.dns).replace("clusterdns dns", "clusterdns agent", 1)
         mode = self.cfg.proxy_mode if self.proxier else "none"
         text += f"; proxier: {mode} ({'applying' if self.cfg.applying else 'printing'})"
-        if self.health and self.health.bound:
-            text += "; health/ready/metrics on " + ", ".join(f"{h}:{p}" for h, p in self.health.bound)
+        if self.health:
+            for kind, label in (("health", "health/ready"), ("metrics", "DNS metrics"),
+                                ("proxy-metrics", "proxy metrics")):
+                if self.health.bound_kinds.get(kind):
+                    text += f"; {label} on " + ", ".join(f"{h}:{p}" for h, p in self.health.bound_kinds[kind])
         if self.cfg.demo:
             text += "\n" + demo_banner(self.cfg, self.dns.bound)
         return text

@@ -72,6 +72,7 @@ class Config:
     local_ips: tuple[str, ...] = ()
     lameduck: float = 5.0
     metrics_listen: str = "127.0.0.1:9153"
+    proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
     health_listen: str = "127.0.0.1:8080"
     config_file: str = ""
     loop: str = "auto"
@@ -184,7 +185,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a("--min-sync-period", type=float, default=S)
     a("--local-ip", dest="local_ips", action="append", metavar="IP", default=S)
     a("--lameduck", type=float, default=S, metavar="SECONDS")
-    a("--metrics-listen", default=S, metavar="HOST:PORT", help="'none' disables")
+    a("--metrics-listen", default=S, metavar="HOST:PORT", help="coredns_* metrics; 'none' disables")
+    a("--proxy-metrics-listen", default=S, metavar="HOST:PORT",
+      help="kubeproxy_* and rest_client_* metrics (kube-proxy's 127.0.0.1:10249); 'none' disables")
     a("--health-listen", default=S, metavar="HOST:PORT", help="'none' disables")
     a("--loop", choices=("auto", "asyncio", "uvloop"), default=S)
     a("--log-level", choices=("debug", "info", "warning", "error"), default=S)
@@ -294,7 +297,7 @@ def _validate(cfg: Config) -> Config:
         err("--namespaces and --namespace-labels cannot be combined")
     if cfg.lameduck < 0:
         err("--lameduck must not be negative")
-    for name in ("metrics_listen", "health_listen"):
+    for name in ("metrics_listen", "proxy_metrics_listen", "health_listen"):
         v = getattr(cfg, name)
         if v and v != "none":
             parse_hostport(v, 0)

@@ -1,11 +1,17 @@
-"""The small HTTP server for /health, /ready and /metrics (CoreDNS's health, ready, prometheus).
+"""The small HTTP listeners: health (/health, /ready) and metrics (/metrics), each on its own port.
 
-One aiohttp application, bound on every distinct address of --health-listen
-and --metrics-listen ('none' disables one; both may be the same address).
-Components register readiness checks and extra paths (the proxier adds
-/healthz and /livez):
+- --health-listen: /health, /ready and the routes components add (the proxier's
+  /healthz and /livez). No /metrics.
+- --metrics-listen (DNS role): /metrics with the coredns_* registry (CoreDNS's :9153).
+- --proxy-metrics-listen (proxy role): /metrics with the kubeproxy_* registry
+  (kube-proxy's :10249). The shared series (rest_client_*, clusterdns_*) go
+  with it, or with the DNS registry when the process has no proxy listener.
+  As kube-proxy does with its metrics server, a port that cannot be bound is
+  logged and retried every 5 s instead of stopping the process.
+'none' disables a listener. Two of them on one address share one server
+(its routes and registries combined).
 
-    health = HealthServer(cfg)
+    health = HealthServer(cfg, roles=("dns", "proxy"))
     health.add_ready_check("dns", lambda: engine.synced)
     health.add_route("/livez", handler)      # aiohttp handler: async (request) -> Response
     await health.start()
@@ -16,43 +22,95 @@ the checks that do not (and "lameduck" while shutting down).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from . import metrics
 from .config import Config, parse_hostport
-from .metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+RETRY_INTERVAL = 5.0   # kube-proxy retries its metrics server this often
+
+
+@dataclass
+class Listener:
+    host: str
+    port: int
+    health: bool = False
+    registries: list[CollectorRegistry] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)   # "health", "metrics", "proxy-metrics"
+    optional: bool = False    # a bind failure is retried, not raised
+
+    @property
+    def shown(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener]:
+    """The listeners a process with these roles serves for `cfg`."""
+    out: dict[tuple[str, int], Listener] = {}
+
+    def at(value: str) -> Listener | None:
+        if not value or value == "none":
+            return None
+        host, port = parse_hostport(value, 0)
+        return out.setdefault((host, port), Listener(host, port))
+
+    if cfg is None:
+        return []
+    h = at(cfg.health_listen)
+    if h is not None:
+        h.health = True
+        h.kinds.append("health")
+    proxy = at(cfg.proxy_metrics_listen) if "proxy" in roles else None
+    dns = at(cfg.metrics_listen) if "dns" in roles else None
+    if dns is not None:
+        dns.registries.append(metrics.DNS)
+        dns.kinds.append("metrics")
+    if proxy is not None:
+        proxy.registries += [metrics.PROXY, metrics.SHARED]
+        proxy.kinds.append("proxy-metrics")
+        # Only a listener of its own may fail to bind without stopping the process.
+        proxy.optional = proxy.kinds == ["proxy-metrics"]
+    elif dns is not None:
+        dns.registries.append(metrics.SHARED)
+    return list(out.values())
 
 
 class HealthServer:
-    def __init__(self, cfg: Config | None = None, *, addresses: list[tuple[str, int]] | None = None) -> None:
-        if addresses is None:
-            addresses = []
-            for value in ((cfg.health_listen, cfg.metrics_listen) if cfg else ()):
-                if value and value != "none":
-                    hp = parse_hostport(value, 0)
-                    if hp not in addresses:
-                        addresses.append(hp)
-        self.addresses = addresses
+    def __init__(self, cfg: Config | None = None, *, addresses: list[tuple[str, int]] | None = None,
+                 roles: tuple[str, ...] = ("dns",)) -> None:
+        if addresses is not None:
+            # Everything on each address (tests, embedding).
+            self.listeners = [Listener(h, p, True, [metrics.REGISTRY], ["health", "metrics"]) for h, p in addresses]
+        else:
+            self.listeners = plan(cfg, roles)
         self.lameduck = False
         self._checks: dict[str, Callable[[], bool]] = {}
-        self._routes: dict[str, Handler] = {
-            "/health": self._health, "/ready": self._ready, "/metrics": self._metrics}
-        self._runner: web.AppRunner | None = None
+        self._routes: dict[str, Handler] = {"/health": self._health, "/ready": self._ready}
+        self._runners: list[web.AppRunner] = []
+        self._retries: list[asyncio.Task] = []
+        self._started = False
         self.bound: list[tuple[str, int]] = []
+        self.bound_kinds: dict[str, list[tuple[str, int]]] = {}
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(l.host, l.port) for l in self.listeners]
 
     def add_ready_check(self, name: str, check: Callable[[], bool]) -> None:
         self._checks[name] = check
 
     def add_route(self, path: str, handler: Handler) -> None:
-        """Serve one more GET path (before start())."""
-        if self._runner is not None:
+        """Serve one more GET path on the health listener (before start())."""
+        if self._started:
             raise RuntimeError("routes must be added before start()")
         self._routes[path] = handler
 
@@ -78,34 +136,76 @@ class HealthServer:
             return web.Response(status=503, text="not ready: " + ", ".join(failing) + "\n")
         return web.Response(text="OK")
 
-    async def _metrics(self, _request: web.Request) -> web.Response:
-        body = generate_latest(REGISTRY)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    @staticmethod
+    def _metrics_handler(registries: list[CollectorRegistry]) -> Handler:
+        view = registries[0] if len(registries) == 1 else metrics.UnionRegistry(registries)
+
+        async def handle(_request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(view), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return handle
+
+    def _app(self, listener: Listener) -> web.Application:
+        app = web.Application()
+        if listener.health:
+            for path, handler in self._routes.items():
+                app.router.add_get(path, handler)
+        if listener.registries:
+            app.router.add_get("/metrics", self._metrics_handler(listener.registries))
+        return app
+
+    async def _bind(self, listener: Listener) -> None:
+        runner = web.AppRunner(self._app(listener), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(exc.errno, f"cannot listen on {listener.shown} (HTTP): {exc.strerror or exc}") from None
+        self._runners.append(runner)
+        for sock in site._server.sockets if site._server else []:   # the real port when 0 was asked
+            addr = sock.getsockname()[:2]
+            self.bound.append(addr)
+            for kind in listener.kinds:
+                self.bound_kinds.setdefault(kind, []).append(addr)
+
+    async def _retry(self, listener: Listener) -> None:
+        while True:
+            await asyncio.sleep(RETRY_INTERVAL)
+            try:
+                await self._bind(listener)
+            except OSError as exc:
+                log.debug("%s; retrying in %gs", exc, RETRY_INTERVAL)
+                continue
+            log.info("metrics now served on %s", listener.shown)
+            return
 
     async def start(self) -> None:
-        """Bind every address; raises OSError with the address when one cannot be bound."""
-        if not self.addresses:
-            return
-        app = web.Application()
-        for path, handler in self._routes.items():
-            app.router.add_get(path, handler)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
+        """Bind every address; raises OSError with the address when one cannot be bound
+        (an optional listener is retried in the background instead)."""
+        self._started = True
         try:
-            for host, port in self.addresses:
-                site = web.TCPSite(self._runner, host, port, reuse_address=True)
+            for listener in self.listeners:
                 try:
-                    await site.start()
+                    await self._bind(listener)
                 except OSError as exc:
-                    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-                    raise OSError(exc.errno, f"cannot listen on {shown} (HTTP): {exc.strerror or exc}") from None
-                for sock in site._server.sockets if site._server else []:   # the real port when 0 was asked
-                    self.bound.append(sock.getsockname()[:2])
+                    if not listener.optional:
+                        raise
+                    log.error("%s; retrying every %gs", exc, RETRY_INTERVAL)
+                    self._retries.append(asyncio.ensure_future(self._retry(listener)))
         except BaseException:
             await self.stop()
             raise
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        for task in self._retries:
+            task.cancel()
+        for task in self._retries:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._retries.clear()
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()

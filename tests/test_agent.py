@@ -241,7 +241,7 @@ async def ask(port, name, qtype="A"):
 
 def agent_cfg(tmp_path, *extra):
     return load(["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", "127.0.0.1:0",
-                 "--no-upstream", "--health-listen", "127.0.0.1:0", "--metrics-listen", "none",
+                 "--no-upstream", "--health-listen", "127.0.0.1:0", "--metrics-listen", "none", "--proxy-metrics-listen", "none",
                  "--min-sync-period", "0", "--lameduck", "0.5", *extra], env={})
 
 
@@ -381,7 +381,7 @@ async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
     conf.write_text("apiVersion: clusterdns.io/v1alpha1\nkind: ClusterDNSConfiguration\nttl: 5\n"
                     "min-sync-period: 0\n")
     argv = ["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", "127.0.0.1:0",
-            "--no-upstream", "--health-listen", "none", "--metrics-listen", "none", "--lameduck", "0",
+            "--no-upstream", "--health-listen", "none", "--metrics-listen", "none", "--proxy-metrics-listen", "none", "--lameduck", "0",
             "--config", str(conf)]
     cfg = load(argv, env={})
     agent, port = await started(cfg, SlowKernel(), argv=argv)
@@ -431,7 +431,7 @@ async def _value(v):
 
 async def test_demo_mode_banner_and_printing_proxier(capsys):
     cfg = load(["agent", "--listen", "127.0.0.1:0", "--no-upstream", "--health-listen", "none",
-                "--metrics-listen", "none"], env={})
+                "--metrics-listen", "none", "--proxy-metrics-listen", "none"], env={})
     assert cfg.demo and not cfg.applying
     agent = Agent(cfg)
     await agent.start()
@@ -459,7 +459,7 @@ async def test_signals_in_a_real_process(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "clusterdns", "agent", "--manifest", str(tmp_path / "cluster.json"),
          "--listen", f"127.0.0.1:{port}", "--no-upstream", "--proxy-mode", "none", "--config", str(conf),
-         "--health-listen", f"127.0.0.1:{hport}", "--metrics-listen", "none", "--lameduck", "1.5",
+         "--health-listen", f"127.0.0.1:{hport}", "--metrics-listen", "none", "--proxy-metrics-listen", "none", "--lameduck", "1.5",
          "--loop", "asyncio"], stderr=subprocess.PIPE, text=True)
     try:
         assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"), timeout=10)

@@ -1,6 +1,7 @@
 """The health/ready/metrics HTTP server over real sockets."""
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import aiohttp
@@ -39,7 +40,7 @@ async def test_health_ready_metrics_and_extra_routes():
         status, body = await get(port, "/ready")
         assert status == 503 and "lameduck" in body
         status, body = await get(port, "/metrics")
-        assert status == 200 and "clusterdns_state_version" in body   # the shared REGISTRY
+        assert status == 200 and "clusterdns_state_version" in body and "process_cpu_seconds_total" in body
         assert await get(port, "/livez") == (200, "ok")
         assert (await get(port, "/nothing"))[0] == 404
         with pytest.raises(RuntimeError):
@@ -66,5 +67,122 @@ async def test_address_in_use_is_a_clear_error():
         srv = HealthServer(addresses=[("127.0.0.1", port)])
         with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
             await srv.start()
+    finally:
+        taken.close()
+
+
+def _families(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def _listen_cfg(*extra: str):
+    from tests.netutil import free_port
+    ports = {k: free_port() for k in ("health", "dns", "proxy")}
+    cfg = load(["agent", "--manifest", "x", "--health-listen", f"127.0.0.1:{ports['health']}",
+                "--metrics-listen", f"127.0.0.1:{ports['dns']}",
+                "--proxy-metrics-listen", f"127.0.0.1:{ports['proxy']}", *extra], env={})
+    return cfg, ports
+
+
+async def test_each_series_on_one_listener_and_no_metrics_on_health():
+    import clusterdns.dns.metrics  # noqa: F401  (registers coredns_*)
+    import clusterdns.proxy.proxier  # noqa: F401  (registers kubeproxy_*)
+    from clusterdns import metrics
+    metrics.api_request("GET", "https://10.96.0.1:443/api/v1/services?watch=true", 0.0, 200)
+    cfg, ports = _listen_cfg()
+    srv = HealthServer(cfg, roles=("dns", "proxy"))
+    await srv.start()
+    try:
+        assert await get(ports["health"], "/health") == (200, "OK")
+        assert (await get(ports["health"], "/metrics"))[0] == 404
+        status, dns_text = await get(ports["dns"], "/metrics")
+        assert status == 200
+        status, proxy_text = await get(ports["proxy"], "/metrics")
+        assert status == 200
+        assert (await get(ports["dns"], "/health"))[0] == 404
+        dns_f, proxy_f = _families(dns_text), _families(proxy_text)
+        # Every scrape job sees the process's CPU and memory ...
+        for f in (dns_f, proxy_f):
+            assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= f
+        # ... and nothing else twice.
+        assert {f for f in dns_f & proxy_f if not f.startswith("process_")} == set()
+        assert "coredns_build_info" in dns_f and not any(f.startswith("kubeproxy_") for f in dns_f)
+        assert "kubeproxy_sync_proxy_rules_duration_seconds" in proxy_f
+        assert not any(f.startswith("coredns_") for f in proxy_f)
+        # The API client's series go with kube-proxy's.
+        assert 'rest_client_requests_total{code="200",host="10.96.0.1:443",method="GET"}' in proxy_text
+        assert 'rest_client_request_duration_seconds_bucket{host="10.96.0.1:443",le="0.005",verb="GET"}' \
+            in proxy_text
+        assert "clusterdns_state_version" in proxy_f and "clusterdns_state_version" not in dns_f
+        assert set(srv.bound_kinds) == {"health", "metrics", "proxy-metrics"}
+    finally:
+        await srv.stop()
+
+
+async def test_without_a_proxy_the_shared_series_go_with_dns():
+    cfg, ports = _listen_cfg("--proxy-mode", "none")
+    srv = HealthServer(cfg, roles=("dns",))
+    await srv.start()
+    try:
+        text = (await get(ports["dns"], "/metrics"))[1]
+        assert "clusterdns_state_version" in _families(text)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await get(ports["proxy"], "/metrics")     # no kube-proxy listener at all
+    finally:
+        await srv.stop()
+
+
+async def test_metrics_and_health_on_one_address_share_a_server():
+    from tests.netutil import free_port
+    port = free_port()
+    cfg = load(["proxy", "--manifest", "x", "--health-listen", f"127.0.0.1:{port}",
+                "--proxy-metrics-listen", f"127.0.0.1:{port}"], env={})
+    srv = HealthServer(cfg, roles=("proxy",))
+    assert srv.addresses == [("127.0.0.1", port)]
+    await srv.start()
+    try:
+        assert await get(port, "/health") == (200, "OK")
+        assert "kubeproxy_sync_proxy_rules_duration_seconds" in _families((await get(port, "/metrics"))[1])
+    finally:
+        await srv.stop()
+
+
+async def test_a_busy_proxy_metrics_port_is_retried_not_fatal(monkeypatch, caplog):
+    from clusterdns import health
+    monkeypatch.setattr(health, "RETRY_INTERVAL", 0.1)
+    cfg, ports = _listen_cfg()
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", ports["proxy"]))
+    taken.listen()
+    srv = HealthServer(cfg, roles=("dns", "proxy"))
+    try:
+        await srv.start()     # kube-proxy's behaviour: log and retry
+        assert "proxy-metrics" not in srv.bound_kinds
+        assert f"127.0.0.1:{ports['proxy']}" in caplog.text
+        assert await get(ports["health"], "/health") == (200, "OK")
+        taken.close()
+        for _ in range(100):
+            if "proxy-metrics" in srv.bound_kinds:
+                break
+            await asyncio.sleep(0.05)
+        assert (await get(ports["proxy"], "/metrics"))[0] == 200
+    finally:
+        taken.close()
+        await srv.stop()
+
+
+async def test_a_busy_dns_metrics_port_stops_the_start():
+    cfg, ports = _listen_cfg()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", ports["dns"]))
+    taken.listen()
+    try:
+        srv = HealthServer(cfg, roles=("dns", "proxy"))
+        with pytest.raises(OSError, match=f"127.0.0.1:{ports['dns']}"):
+            await srv.start()
+        # Nothing stays bound after the failed start.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await get(ports["health"], "/health")
     finally:
         taken.close()

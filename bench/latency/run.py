@@ -43,6 +43,8 @@ sys.path.insert(0, ROOT)
 
 BACKEND = "10.255.0.1"
 HEALTH = "127.0.0.1:18095"
+PROXY_METRICS = "127.0.0.1:18096"   # kubeproxy_* are served on --proxy-metrics-listen
+DNS_METRICS = "127.0.0.1:18097"     # coredns_* on --metrics-listen
 DNS_PORT = 5399
 
 
@@ -158,7 +160,8 @@ async def measure_one(api, i: int, gap: float, rules: bool = True) -> dict:
 
 
 def scrape(names: tuple[str, ...]) -> dict[str, str]:
-    text = urllib.request.urlopen(f"http://{HEALTH}/metrics", timeout=5).read().decode()
+    text = "".join(urllib.request.urlopen(f"http://{at}/metrics", timeout=5).read().decode()
+                   for at in (PROXY_METRICS, DNS_METRICS))
     return {line.split(" ")[0]: line.split(" ")[1] for line in text.splitlines()
             if line.startswith(names) and ("_sum" in line or "_count" in line)}
 
@@ -177,7 +180,8 @@ def inner(args) -> dict:
         [sys.executable, "-m", "clusterdns", "agent", "--kubeconfig", kubeconfig,
          "--listen", f"127.0.0.1:{DNS_PORT}", "--proxy-mode", args.mode, "--apply",
          "--min-sync-period", "1", "--sync-period", "60", "--no-upstream", "--lameduck", "0",
-         "--cluster-cidr", "10.0.0.0/8", "--health-listen", HEALTH, "--metrics-listen", "none",
+         "--cluster-cidr", "10.0.0.0/8", "--health-listen", HEALTH, "--metrics-listen", DNS_METRICS,
+         "--proxy-metrics-listen", PROXY_METRICS,
          "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         t_start = time.monotonic()

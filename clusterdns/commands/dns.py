@@ -37,8 +37,9 @@ async def serve(cfg: Config) -> int:
         await service.stop()
         raise UsageError(exc.strerror or str(exc)) from None
     log.info("%s", banner(service))
-    if health.bound:
-        log.info("health, ready and metrics on %s", ", ".join(f"{h}:{p}" for h, p in health.bound))
+    for kind, label in (("health", "health and ready"), ("metrics", "metrics")):
+        if health.bound_kinds.get(kind):
+            log.info("%s on %s", label, ", ".join(f"{h}:{p}" for h, p in health.bound_kinds[kind]))
 
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()

@@ -25,7 +25,7 @@ async def _serve(cfg: Config) -> int:
     store = StateStore()
     source = make_source(cfg, store)   # a broken manifest raises here: exit 2
     proxier = Proxier(cfg, store)
-    health = HealthServer(cfg)
+    health = HealthServer(cfg, roles=("proxy",))
     health.add_route("/healthz", aiohttp_handler(proxier.health.respond))
     health.add_route("/livez", aiohttp_handler(proxier.health.respond))
     health.add_ready_check("proxy", lambda: proxier.syncs > 0)

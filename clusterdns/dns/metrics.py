@@ -17,7 +17,7 @@ from prometheus_client.utils import floatToGoString
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .. import __version__ as VERSION
-from ..metrics import REGISTRY
+from ..metrics import DNS as REGISTRY   # CoreDNS's series: served on --metrics-listen
 
 # CoreDNS: prometheus.ExponentialBuckets(0.00025, 2, 16) for request durations.
 DURATION_BUCKETS = tuple(0.00025 * 2 ** i for i in range(16))

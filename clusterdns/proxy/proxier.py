@@ -23,7 +23,7 @@ from typing import Callable, Iterable, TextIO
 from prometheus_client import Counter, Gauge, Histogram
 
 from ..config import Config
-from ..metrics import REGISTRY
+from ..metrics import PROXY as REGISTRY   # kube-proxy's series: served on --proxy-metrics-listen
 from ..state import ClusterState, Delta, StateStore
 from .apply import (
     ApplyError, CommandRunner, IptablesExecutor, IpvsExecutor, NftExecutor, Result,

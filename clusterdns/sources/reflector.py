@@ -126,8 +126,14 @@ class Transport:
             header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])
         # call_api hands _request_timeout to aiohttp unchanged, so a ClientTimeout
         # with a read timeout (not a total one that would cut long watches) works.
-        rest = await self.api.call_api(method, url, headers, body, post,
-                                       _request_timeout=timeout, _preload_content=False)
+        started = time.monotonic()
+        try:
+            rest = await self.api.call_api(method, url, headers, body, post,
+                                           _request_timeout=timeout, _preload_content=False)
+        except Exception:
+            metrics.api_request(method, url, started, None)    # rest_client_*: code "<error>"
+            raise
+        metrics.api_request(method, url, started, rest.response.status)
         return rest.response
 
     async def close(self) -> None:

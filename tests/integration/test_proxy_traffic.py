@@ -127,7 +127,7 @@ def test_metrics_and_healthz(proxy, cluster):
     out = cluster.connect("node", "http", "127.0.0.1", 10256, 1, path="/healthz")
     assert out.answers == [["200", ""]]
     text = sh("python3", "-c", "import urllib.request;print(urllib.request.urlopen("
-              "'http://127.0.0.1:10256/metrics').read().decode())", ns=cluster.node)
+              "'http://127.0.0.1:10249/metrics').read().decode())", ns=cluster.node)   # kube-proxy's metrics port
     assert "kubeproxy_sync_proxy_rules_duration_seconds_count" in text
     assert "kubeproxy_sync_proxy_rules_last_timestamp_seconds" in text
 
