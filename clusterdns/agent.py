@@ -1,19 +1,10 @@
 """The node agent: one watched state feeding the DNS server and the proxier.
 
-Ordering guarantee. The source writes the main StateStore; the proxier syncs
-from it. DNS does not read that store directly: it reads a DnsView, a state
-the agent derives from two inputs, the store now (C) and the store as it was
-at the version the proxier last put into the kernel (P):
-
-- a Service that needs rules (it has a ClusterIP and ports) enters DNS only
-  once P has it, and a changed ClusterIP, ports or type show in DNS only once
-  P has them: until then DNS keeps the old record, whose rules are still in
-  the kernel. A name never resolves to an address that does not work yet.
-- a deleted Service, and an endpoint that went away or stopped being ready,
-  leave DNS at once (from C): DNS first, rules after.
-- Services without rules (headless, ExternalName, other proxies' Services)
-  and Namespaces, Pods and Nodes follow the store directly.
-With --proxy-mode none there are no rules to wait for: the view follows the store.
+DNS reads a DnsView (clusterdns/dnsview.py), not the store: a Service that
+needs rules shows in DNS only once its rules are in the kernel. At start the
+proxier reads what a previous process left in the kernel and the view adopts
+it, so a restart answers the Services whose rules are still there at once;
+DNS starts listening when that is known (see Agent.start).
 """
 from __future__ import annotations
 
@@ -22,246 +13,27 @@ import logging
 import os
 import time
 from dataclasses import fields
-from types import MappingProxyType
-from typing import Callable
 
 from aiohttp import web
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 
 from .config import ConfigError, load
+from .dnsview import DNS_PROGRAMMING, DnsView, needs_rules
 from .health import HealthServer
 from .localdns import LocalDNS, LocalDNSError
 from .localdns import cleanup as localdns_cleanup
-from .metrics import DNS as DNS_REGISTRY
 from .metrics import REGISTRY
-from .model import KINDS, Endpoint, EndpointSlice, Service
+from .model import KINDS
 from .proxy.healthcheck import aiohttp_handler
 from .proxy.proxier import Proxier
 from .sources.loader import make_source
-from .state import ClusterState, Delta, StateStore, Subscriber
+from .state import StateStore
 
 log = logging.getLogger(__name__)
 
-DNS_PROGRAMMING = Histogram(
-    "coredns_kubernetes_dns_programming_duration_seconds",
-    "Time from an EndpointSlice change (its last-change-trigger-time) to DNS serving it.",
-    ["service_kind"], registry=DNS_REGISTRY,
-    buckets=tuple(0.001 * 2 ** i for i in range(20)))
 RELOADS = Counter("clusterdns_config_reloads_total",
                   "Configuration reloads by result (applied, unchanged, failed).",
                   ["result"], registry=REGISTRY)
-
-# States kept for versions the proxier may still report as applied. The
-# proxier syncs the newest state, so old ones are almost never asked for;
-# when one was dropped the nearest older one is used (showing less, never more).
-HISTORY = 32
-
-
-def needs_rules(svc: Service) -> bool:
-    """True when the proxier programs rules for this Service (see servicemap)."""
-    return bool(svc.cluster_ips and svc.ports and not svc.headless
-                and not svc.is_external_name and not svc.proxy_name)
-
-
-def _shape(svc: Service) -> tuple:
-    """The fields whose change needs new rules before DNS may show it."""
-    return (svc.type, svc.cluster_ips, svc.ports, svc.headless, svc.external_name)
-
-
-def _ready_addresses(slices: tuple[EndpointSlice, ...]) -> set[str]:
-    return {a for sl in slices for ep in sl.endpoints if ep.ready for a in ep.addresses}
-
-
-def _filter_slice(sl: EndpointSlice, allowed: set[str]) -> EndpointSlice:
-    """The slice without ready endpoints the kernel does not route to yet."""
-    keep: list[Endpoint] = []
-    dropped = False
-    for ep in sl.endpoints:
-        if ep.ready and not all(a in allowed for a in ep.addresses):
-            dropped = True
-            continue
-        keep.append(ep)
-    if not dropped:
-        return sl
-    return EndpointSlice(sl.namespace, sl.name, sl.service, sl.address_type, tuple(keep), sl.ports,
-                         sl.trigger_time)
-
-
-class DnsView:
-    """The state DNS serves in the agent; quacks like a StateStore for readers.
-
-    `current` and `subscribe(fn(old, new, delta))` as StateStore; the agent
-    calls `applied(version)` after each successful proxier sync.
-    """
-
-    def __init__(self, store: StateStore, clock: Callable[[], float] = time.monotonic,
-                 follow: bool = False) -> None:
-        self.store = store
-        self.clock = clock
-        self.follow = follow   # no proxier (--proxy-mode none): every version counts as applied
-        self._subscribers: list[Subscriber] = []
-        self._history: dict[int, ClusterState] = {}
-        self._deltas: list[tuple[int, frozenset, bool]] = []   # (version, service keys, full)
-        self.applied_state = ClusterState()
-        self.applied_version = -1
-        self._services: dict[tuple[str, str], Service] = {}
-        self._slices: dict[tuple[str, str], EndpointSlice] = {}
-        self._slice_keys: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
-        self.current = ClusterState()
-        self._version = 0
-        self._observed: dict[tuple[str, str], float] = {}   # slice key -> last trigger time observed
-        if follow:
-            self.applied_state, self.applied_version = store.current, store.current.version
-        self._remember(store.current)
-        # Services already in the store wait for a sync like any change.
-        self._deltas.append((store.current.version, frozenset(store.current.services), True))
-        self._recompute(set(store.current.services), store.current, full=True)
-        store.subscribe(self._on_store)
-
-    # -- StateStore-compatible reading side
-    def subscribe(self, fn: Subscriber) -> None:
-        self._subscribers.append(fn)
-
-    # -- inputs
-    def _remember(self, state: ClusterState) -> None:
-        self._history[state.version] = state
-        if len(self._history) > HISTORY:
-            for v in sorted(self._history)[:-HISTORY]:
-                if v != self.applied_version:
-                    del self._history[v]
-
-    def _on_store(self, old: ClusterState, new: ClusterState, delta: Delta) -> None:
-        if self.follow:
-            self.applied_state, self.applied_version = new, new.version
-            self._history = {new.version: new}
-            self._recompute(set(delta.services) | (set(old.services) | set(new.services) if delta.full else set()),
-                            new, kinds=delta.kinds)
-            return
-        self._remember(new)
-        keys = set(delta.services)
-        if delta.full and ("Service" in delta.kinds or "EndpointSlice" in delta.kinds):
-            keys |= set(old.services) | set(new.services)
-        self._deltas.append((new.version, frozenset(keys), delta.full))
-        self._recompute(keys, new, kinds=delta.kinds)
-
-    def applied(self, version: int) -> None:
-        """The proxier has put the state of `version` into the kernel."""
-        if version <= self.applied_version:
-            return
-        state = self._history.get(version)
-        if state is None:
-            older = [v for v in self._history if v <= version]
-            if not older:
-                log.debug("applied version %d is unknown; ignored", version)
-                return
-            version = max(older)
-            state = self._history[version]
-        self.applied_version, self.applied_state = version, state
-        for v in [v for v in self._history if v < version]:
-            del self._history[v]
-        keys: set = set()
-        rest = []
-        for v, k, _full in self._deltas:
-            if v <= version:
-                keys |= k
-            else:
-                rest.append((v, k, _full))
-        self._deltas = rest
-        self._recompute(keys, self.store.current)
-
-    # -- the view
-    def _entry(self, key: tuple[str, str], now: ClusterState) -> tuple[Service | None, tuple[EndpointSlice, ...]]:
-        c_svc = now.services.get(key)
-        if c_svc is None:
-            return None, ()
-        c_slices = now.slices_for(*key)
-        if not needs_rules(c_svc):
-            return c_svc, c_slices
-        p_svc = self.applied_state.services.get(key)
-        if p_svc is None:
-            return None, ()       # new: not before its rules
-        svc = c_svc if _shape(p_svc) == _shape(c_svc) else p_svc
-        allowed = _ready_addresses(self.applied_state.slices_for(*key))
-        return svc, tuple(_filter_slice(sl, allowed) for sl in c_slices)
-
-    def _recompute(self, keys: set, now: ClusterState, full: bool = False, kinds: frozenset = frozenset()) -> None:
-        changed = set()
-        for key in keys:
-            svc, slices = self._entry(key, now)
-            old_svc = self._services.get(key)
-            old_keys = self._slice_keys.get(key, ())
-            old_slices = tuple(self._slices[k] for k in old_keys)
-            if svc == old_svc and slices == old_slices:
-                continue
-            changed.add(key)
-            for k in old_keys:
-                self._slices.pop(k, None)
-            if svc is None:
-                self._services.pop(key, None)
-                self._slice_keys.pop(key, None)
-                continue
-            self._services[key] = svc
-            self._slice_keys[key] = tuple(sl.key for sl in slices)
-            for sl in slices:
-                self._slices[sl.key] = sl
-        base = self.current
-        others = (now.namespaces is not base.namespaces or now.pods is not base.pods
-                  or now.nodes is not base.nodes or self._synced(now) != base.synced)
-        if not changed and not others and not full:
-            return
-        self._publish(now, changed, kinds, full)
-
-    def _observe_programming(self, now: ClusterState, changed: set) -> None:
-        """coredns_kubernetes_dns_programming_duration_seconds: from the EndpointSlice
-        trigger time to the change being served, for slices DNS now shows as they are."""
-        wall = time.time()
-        for key in changed:
-            svc = self._services.get(key)
-            if svc is None:
-                continue
-            kind = "cluster_ip" if needs_rules(svc) else (
-                "headless_with_selector" if svc.headless else "")
-            if not kind:
-                continue
-            for skey in self._slice_keys.get(key, ()):
-                sl = self._slices[skey]
-                if sl.trigger_time is None or now.slices.get(skey) is not sl:
-                    continue
-                if sl.trigger_time > self._observed.get(skey, 0.0):
-                    self._observed[skey] = sl.trigger_time
-                    DNS_PROGRAMMING.labels(kind).observe(max(0.0, wall - sl.trigger_time))
-        if len(self._observed) > 2 * max(1, len(now.slices)):
-            self._observed = {k: v for k, v in self._observed.items() if k in now.slices}
-
-    def _synced(self, now: ClusterState) -> frozenset:
-        """Nothing counts as synced before the first rule sync: DNS then answers SERVFAIL,
-        not NXDOMAIN, for the Services it cannot show yet (after an agent restart their
-        rules may well be in the kernel; a negative answer would be wrong and cached)."""
-        return now.synced if self.follow or self.applied_version >= 0 else frozenset()
-
-    def _publish(self, now: ClusterState, changed: set, kinds: frozenset, full: bool) -> None:
-        old = self.current
-        self._version += 1
-        new = ClusterState(
-            version=self._version,
-            services=MappingProxyType(dict(self._services)) if changed or full else old.services,
-            slices=MappingProxyType(dict(self._slices)) if changed or full else old.slices,
-            namespaces=now.namespaces, pods=now.pods, nodes=now.nodes,
-            synced=self._synced(now), serial=max(now.serial, old.serial + (1 if changed else 0)))
-        self._observe_programming(now, changed)
-        view_kinds = set(kinds) | ({"Service", "EndpointSlice"} if changed else set())
-        delta = Delta(frozenset(changed), frozenset(view_kinds), full)
-        self.current = new
-        for fn in list(self._subscribers):
-            try:
-                fn(old, new, delta)
-            except Exception:  # one consumer's bug must not stop the others
-                log.exception("DNS view subscriber failed")
-
-    def unsubscribe(self, fn: Subscriber) -> None:
-        if fn in self._subscribers:
-            self._subscribers.remove(fn)
-
 
 # ---------------------------------------------------------------- the agent
 
@@ -274,6 +46,11 @@ PROXY_FIELDS = {"node_name", "node_ips", "cluster_cidrs", "service_cidrs", "masq
 HEALTH_FIELDS = {"health_listen", "metrics_listen", "proxy_metrics_listen", "proxy_mode"}
 AGENT_FIELDS = {"lameduck", "log_level", "config_file", "loop", "command", "cleanup"}
 LOCAL_FIELDS = {"local_ips", "apply", "demo"}
+
+# How long a start whose kernel holds a previous process's rules waits, at most,
+# for the Services to be listed before DNS listens anyway (the previous process,
+# in lameduck, keeps answering meanwhile; see Agent.start).
+DNS_START_WAIT = 30.0
 
 
 def changed_fields(old, new) -> set[str]:
@@ -316,6 +93,7 @@ class Agent:
         self._stopping = None
         self._config_stamp = None
         self._last_local_check = 0.0
+        self._adoption_read = asyncio.Event()
 
     # -- readiness
     def not_ready(self) -> list[str]:
@@ -366,7 +144,7 @@ class Agent:
     async def _start_dns(self) -> None:
         from .dns.server import DnsService
         kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
-        self.dns = DnsService(self.cfg, self.view, **kwargs)
+        self.dns = DnsService(self.cfg, self.view, reuse_port=True, **kwargs)
         await self.dns.start()
 
     async def _stop_dns(self) -> None:
@@ -409,7 +187,46 @@ class Agent:
     def _start_proxier(self) -> None:
         self.proxier = self._make_proxier()
         if self.proxier is not None:
-            self._spawn("proxier", self.proxier.run())
+            self._spawn("proxier", self._run_proxier(self.proxier))
+        else:
+            self._adoption_read.set()
+
+    async def _run_proxier(self, proxier: Proxier) -> None:
+        """Before the first sync, read what a previous process left in the kernel and let
+        DNS count it as applied (restart adoption); then sync as usual."""
+        try:
+            if self.view.applied_version < 0 and not self.view.adopting:
+                found = await proxier.programmed()
+                if found:
+                    self.view.adopt(found, proxier.families)
+        finally:
+            self._adoption_read.set()
+        await proxier.run()
+
+    async def _wait_for_dns_start(self, limit: float = DNS_START_WAIT) -> None:
+        """Listen for DNS only once the answers can be right, when that is close.
+
+        Cold node (nothing adopted from the kernel): at once, as before (names
+        answer SERVFAIL until the first sync; forwarding works). A restart with
+        rules in the kernel: once the Services are listed and adopted, or the
+        first sync is done, or after `limit` seconds. The previous process keeps
+        answering meanwhile: DNS sockets use SO_REUSEPORT, so the two share the
+        port during its lameduck, and the new one never answers SERVFAIL for a
+        Service whose rules work."""
+        if self.proxier is None:
+            return
+        end = time.monotonic() + limit
+        try:
+            await asyncio.wait_for(self._adoption_read.wait(), limit)
+        except asyncio.TimeoutError:
+            return
+        if not self.view.adopting:
+            return
+        while time.monotonic() < end:
+            if self.store.current.is_synced("Service", "EndpointSlice") or self.view.applied_version >= 0:
+                return
+            await asyncio.sleep(0.02)
+        log.warning("Services not listed %gs after start; DNS listens anyway", limit)
 
     async def _stop_proxier(self) -> None:
         if self.proxier is None:
@@ -430,6 +247,7 @@ class Agent:
         self._start_source()          # a broken manifest raises here
         self._start_proxier()
         await self._start_localdns()  # before DNS: it listens on these addresses
+        await self._wait_for_dns_start()
         await self._start_dns()
         await self._start_health()
         if self.cfg.config_file:
@@ -592,3 +410,5 @@ def _task_name(tasks: dict, task) -> str:
             return name
     return "task"
 
+
+__all__ = ["Agent", "DNS_PROGRAMMING", "DnsView", "changed_fields", "demo_banner", "needs_rules"]

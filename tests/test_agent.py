@@ -1,7 +1,7 @@
 """The agent: the DNS view's ordering against the proxier, and the running agent."""
 import time
 
-from clusterdns.agent import DNS_PROGRAMMING, DnsView, needs_rules
+from clusterdns.dnsview import DNS_PROGRAMMING, DnsView, needs_rules
 from clusterdns.metrics import REGISTRY
 from clusterdns.model import (
     EXTERNAL_NAME, Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort,

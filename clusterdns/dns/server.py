@@ -70,8 +70,11 @@ def _show(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bind(host: str, port: int) -> tuple[socket.socket, socket.socket]:
-    """A UDP and a TCP socket on the same address; port 0 picks one free for both."""
+def _bind(host: str, port: int, reuse_port: bool = False) -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket on the same address; port 0 picks one free for both.
+
+    reuse_port: SO_REUSEPORT on both (the agent: a restarted process shares the
+    port with the previous one during its lameduck)."""
     fam = _family(host)
     for _attempt in range(20):
         udp = socket.socket(fam, socket.SOCK_DGRAM)
@@ -82,6 +85,9 @@ def _bind(host: str, port: int) -> tuple[socket.socket, socket.socket]:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             _set_buffers(udp)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port and port:   # never for port 0: autobind could pick a shared port
+                for s in (udp, tcp):
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             udp.bind((host, port))
             real = udp.getsockname()[1]
             tcp.bind((host, real))
@@ -197,8 +203,10 @@ class DnsService:
         await service.stop()
     """
 
-    def __init__(self, cfg: Config, store: StateStore, *, forwarder=None, engine=None) -> None:
+    def __init__(self, cfg: Config, store: StateStore, *, forwarder=None, engine=None,
+                 reuse_port: bool = False) -> None:
         self.cfg = cfg
+        self.reuse_port = reuse_port
         self.store = store
         self.forwarder = forwarder if forwarder is not None else Forward.from_config(cfg)
         if engine is None:
@@ -339,7 +347,7 @@ class DnsService:
         loop = asyncio.get_running_loop()
         try:
             for host, port in self.cfg.listen_addresses():
-                udp, tcp = _bind(host, port)
+                udp, tcp = _bind(host, port, self.reuse_port)
                 real = udp.getsockname()[1]
                 stats = metrics.ServerStats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1)
                 metrics.register_server(stats)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
+
+from . import iptsave
 
 log = logging.getLogger(__name__)
 
@@ -98,26 +99,13 @@ def _check(res: Result) -> Result:
 
 # ---------------------------------------------------------------- iptables
 
-_CHAIN_LINE = re.compile(r"^:(\S+) ")
-
-
 def parse_save(text: str, prefix: str = "KUBE-") -> dict[str, set[str]]:
     """Chains per table from iptables-save output, keeping names that start with `prefix`."""
-    out: dict[str, set[str]] = {}
-    table = None
-    for line in text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-            out.setdefault(table, set())
-        elif table and line.startswith(":"):
-            m = _CHAIN_LINE.match(line)
-            if m and m.group(1).startswith(prefix):
-                out[table].add(m.group(1))
-    return out
+    return iptsave.chains(text, prefix)
 
 
 def count_rules(save_text: str) -> int:
-    return sum(1 for line in save_text.splitlines() if line.startswith("-A "))
+    return iptsave.count_rules(save_text)
 
 
 class IptablesExecutor:
@@ -312,13 +300,7 @@ def ipvs_diff(current: str, desired: str, ours: set[str] | None = None) -> str:
 def drop_present_inserts(text: str, save_text: str) -> str:
     """Remove `-I CHAIN spec` lines whose rule `-A CHAIN spec` is already in iptables-save output,
     so re-applying a text that inserts jumps never duplicates them."""
-    present: set[tuple[str, str]] = set()
-    table = ""
-    for line in save_text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-        elif line.startswith("-A "):
-            present.add((table, line[3:]))
+    present = {(t, f"{c} {sp}") for t, c, sp in iptsave.present(save_text)}
     out, table = [], ""
     for line in text.splitlines():
         if line.startswith("*"):

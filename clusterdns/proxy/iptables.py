@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..state import ClusterState
+from . import iptsave
 from . import names as n
 from .servicemap import (
     Categorized, EndpointInfo, NodeInfo, ServicePortInfo, cache, gc_paused, localhost_nodeports, node_info,
@@ -476,15 +477,7 @@ def _contains(cidr: str, ip: str) -> bool:
 
 def parse_chains(save_text: str) -> dict[str, set[str]]:
     """Chains per table from iptables-save output (the `existing` argument)."""
-    out: dict[str, set[str]] = {}
-    table = ""
-    for line in save_text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-            out.setdefault(table, set())
-        elif line.startswith(":") and table:
-            out[table].add(line[1:].split()[0])
-    return out
+    return iptsave.chains(save_text)
 
 
 def _our_chain(name: str) -> bool:
@@ -502,16 +495,12 @@ def cleanup_text(existing: dict[str, set[str]], family: int = 4, *, save_text: s
     tables = ("mangle", "filter", "nat")
     jumps_by_table: dict[str, list[str]] = {t: [] for t in tables}
     if save_text is not None:
-        table = ""
-        for line in save_text.splitlines():
-            if line.startswith("*"):
-                table = line[1:].strip()
-            elif line.startswith("-A ") and table in jumps_by_table:
-                parts = line.split()
-                chain = parts[1]
-                target = parts[parts.index("-j") + 1] if "-j" in parts else ""
-                if not _our_chain(chain) and _our_chain(target):
-                    jumps_by_table[table].append("-D " + line[3:])
+        for table, t in iptsave.read(save_text).items():
+            if table not in jumps_by_table:
+                continue
+            for r in t.rules:
+                if not _our_chain(r.chain) and _our_chain(iptsave.target(r.spec)):
+                    jumps_by_table[table].append(f"-D {r.chain} {r.spec}")
     else:
         for table, chain, extra, comment, target in _JUMPS + _KUBELET_JUMPS:
             if target in existing.get(table, ()):

@@ -345,4 +345,43 @@ def cleanup(family: int = 4) -> IpvsConfig:
     return IpvsConfig(ipvsadm="", ipsets="\n".join(lines) + "\n", iptables="", addresses=())
 
 
-__all__ = ["DEVICE", "IpvsConfig", "RealServer", "SCHEDULERS", "VirtualServer", "cleanup", "render", "set_name"]
+def _split_hostport(text: str) -> tuple[str, int] | None:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    host = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(host)), int(port)
+    except ValueError:
+        return None
+
+
+def parse_list(text: str, family: int | None = None) -> dict[tuple[str, str, int], frozenset[str]]:
+    """`ipvsadm -L -n` output -> (virtual address, protocol, port) -> "ip:port" of its real
+    servers with a weight above 0 (weight 0: terminating, no new connections).
+
+    Every virtual server is listed (ClusterIPs, externalIPs, LB IPs, node addresses
+    with NodePorts): IPVS does not say which is which. Firewall-mark services are skipped."""
+    out: dict[tuple[str, str, int], set[str]] = {}
+    current: set[str] | None = None
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0] in ("TCP", "UDP", "SCTP") and len(words) >= 2:
+            hp = _split_hostport(words[1])
+            current = None
+            if hp is None or (family and ipaddress.ip_address(hp[0]).version != family):
+                continue
+            current = out.setdefault((hp[0], words[0], hp[1]), set())
+        elif words[0] == "->" and current is not None and len(words) >= 4:
+            hp = _split_hostport(words[1])
+            if hp is None or not words[3].isdigit() or int(words[3]) == 0:
+                continue
+            current.add(_hostport(*hp))
+        elif line[:1] not in (" ", "\t"):
+            current = None   # a header or a firewall-mark service
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+__all__ = ["DEVICE", "IpvsConfig", "RealServer", "SCHEDULERS", "VirtualServer", "cleanup", "parse_list", "render", "set_name"]

@@ -14,6 +14,7 @@ updated, and listeners learn which state version is now in the kernel.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ipaddress
 import logging
 import sys
@@ -29,6 +30,7 @@ from .apply import (
     ApplyError, CommandRunner, IptablesExecutor, IpvsExecutor, NftExecutor, Result,
     SubprocessRunner, parse_save,
 )
+from . import iptsave
 from .conntrack import ConntrackCleaner, stale_flows
 from .healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
 from .runner import BoundedFrequencyRunner
@@ -138,9 +140,9 @@ class IptablesBackend:
             existing = {t: c for t, c in parse_save(save).items() if t in ("nat", "filter")}
             self.last_cleanup = now
             if full:
-                present = set(save.splitlines())
+                present = iptsave.present(save)
                 wanted = iptables.jump_rules(self.cfg, self.family)
-                missing = [j for j in wanted if f"-A {j[1]} {j[2]}" not in present]
+                missing = [j for j in wanted if j not in present]
                 all_missing = len(missing) == len(wanted)
         # The text inserts the jumps from the built-in chains only when none is
         # there yet; a few missing ones are put back one by one (iptables -C/-I style).
@@ -155,6 +157,14 @@ class IptablesBackend:
 
     async def canary_ok(self) -> bool:
         return await self.exe.canary_exists()
+
+    async def programmed(self) -> dict:
+        """(ClusterIP, protocol, port) -> "ip:port" endpoints a previous process left in
+        the kernel, from one `iptables-save -t nat` (and the small filter table)."""
+        nat = await self.exe.save("nat")
+        if "KUBE-SERVICES" not in nat:
+            return {}
+        return iptsave.programmed(nat, await self.exe.save("filter"))
 
 
 class NftablesBackend:
@@ -214,6 +224,14 @@ class IpvsBackend:
         from . import ipvs
         await self.exe.apply(ipvs.render(state, self.cfg, self.family))
         return SyncOutcome()
+
+    async def programmed(self) -> dict:
+        """The virtual servers and their real servers now in the kernel (`ipvsadm -Ln`)."""
+        from . import ipvs
+        res = await self.exe.runner.run(["ipvsadm", "-L", "-n"])
+        if res.returncode != 0:
+            return {}
+        return ipvs.parse_list(res.stdout, self.family)
 
     async def canary_ok(self) -> bool:
         return True
@@ -295,6 +313,28 @@ class Proxier:
 
     async def stop(self) -> None:
         self._runner.stop()
+
+    async def programmed(self) -> dict:
+        """What a previous process left in the kernel in this mode, every family merged:
+        (ClusterIP, protocol, port) -> frozenset of "ip:port" endpoints (see
+        clusterdns.dnsview). Empty when not applying, or when a backend cannot
+        tell (one without a `programmed()` reader answers nothing)."""
+        if not self.applying:
+            return {}
+        out: dict = {}
+        for fam, backend in self.backends.items():
+            reader = getattr(backend, "programmed", None)
+            if reader is None:
+                continue
+            try:
+                found = reader()
+                if inspect.isawaitable(found):
+                    found = await found
+            except (ApplyError, OSError, ValueError) as exc:
+                log.warning("cannot read the %s rules in the kernel (IPv%d): %s", backend.mode, fam, exc)
+                continue
+            out.update(found or {})
+        return out
 
     async def wait_synced(self, version: int = 0, timeout: float | None = None) -> bool:
         """Wait until rules for `version` (or any version) are in; False on timeout."""

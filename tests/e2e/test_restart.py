@@ -1,0 +1,205 @@
+"""Agent restarts against a real kernel in a network namespace.
+
+The agents run in this process; every tool they start (iptables-save/-restore,
+conntrack) runs inside a scratch namespace (`ip netns exec`). Endpoints are
+addresses on the namespace's lo, ClusterIPs are routed into a portless bridge,
+so only the proxier's DNAT makes a connection to a ClusterIP reach an endpoint
+(the namespace's own OUTPUT path: no pods needed).
+
+- rules in place from a first agent, a second one answers the Services whose
+  rules are still in the kernel from its first query, before its own first sync
+  (held back here), and a Service changed while no agent ran waits for that sync;
+- a UDP flow DNATed to an endpoint that went away while no agent ran is deleted
+  after the restart; flows to endpoints that stay are kept.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+
+import dns.asyncquery
+import dns.message
+import dns.rcode
+import pytest
+
+from clusterdns.agent import Agent
+from clusterdns.config import load
+from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort
+from clusterdns.proxy.apply import SubprocessRunner
+from clusterdns.synthetic import to_manifest
+
+
+def _skip_reason() -> str:
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    for tool in ("ip", "iptables-nft-restore", "conntrack"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    return ""
+
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "ok")]
+
+ENDPOINTS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+
+
+def sh(ns, *argv, check=True, input=None):
+    res = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, input=input)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip()}")
+    return res.stdout
+
+
+@pytest.fixture
+def node():
+    name = f"cdrs-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        sh(name, "ip", "link", "set", "lo", "up")
+        for ip in ENDPOINTS:
+            sh(name, "ip", "addr", "add", f"{ip}/32", "dev", "lo")
+        sh(name, "ip", "link", "add", "void0", "type", "bridge")
+        sh(name, "ip", "link", "set", "void0", "up")
+        sh(name, "ip", "addr", "add", "192.168.77.2/24", "dev", "void0")
+        sh(name, "ip", "route", "add", "10.96.0.0/12", "dev", "void0")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+class Gate:
+    """The namespace's tools, with rule restores held until `open` is set (a slow first sync)."""
+
+    def __init__(self, ns: str) -> None:
+        self.inner = SubprocessRunner(prefix=("ip", "netns", "exec", ns))
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def run(self, argv, stdin=None):
+        argv = tuple(argv)
+        if "restore" in argv[0]:
+            await self.open.wait()
+        return await self.inner.run(argv, stdin)
+
+
+def write(path, services):
+    """services: {name: (cluster_ip, [endpoint ips], protocol)}: port 80 -> 8080 (UDP: 53 -> 5353)."""
+    recs = [("Namespace", Namespace("ns"))]
+    for name, (ip, ips, proto) in services.items():
+        port, target = (80, 8080) if proto == "TCP" else (53, 5353)
+        recs.append(("Service", Service("ns", name, cluster_ips=(ip,),
+                                        ports=(ServicePort("p", proto, port, target_port=target),))))
+        recs.append(("EndpointSlice", EndpointSlice("ns", f"{name}-1", name, "IPv4",
+                                                    tuple(Endpoint((a,)) for a in ips),
+                                                    (EndpointPort("p", proto, target),))))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_manifest(recs))
+    tmp.replace(path)
+
+
+def config(path):
+    return load(["agent", "--manifest", str(path), "--proxy-mode", "iptables", "--apply",
+                 "--listen", "127.0.0.1:0", "--no-upstream", "--health-listen", "none",
+                 "--metrics-listen", "none", "--lameduck", "0", "--min-sync-period", "0",
+                 "--node-ip", "192.168.77.2", "--cluster-cidr", "10.0.0.0/8"], env={})
+
+
+async def ask(port, name):
+    q = dns.message.make_query(f"{name}.ns.svc.cluster.local.", "A")
+    r = await dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=2)
+    return dns.rcode.to_text(r.rcode()), sorted(rd.to_text() for rrset in r.answer for rd in rrset)
+
+
+async def start(path, runner):
+    agent = Agent(config(path), executor=runner)
+    await agent.start()
+    return agent, agent.dns.bound[0][1]
+
+
+async def synced(agent, timeout=20.0):
+    assert await agent.proxier.wait_synced(timeout=timeout), "no rule sync"
+
+
+def connects(ns, ip, port=80) -> bool:
+    code = ("import socket,sys\ns=socket.socket();s.settimeout(1)\n"
+            f"sys.exit(0 if s.connect_ex(('{ip}',{port}))==0 else 1)")
+    return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code]).returncode == 0
+
+
+def listen_tcp(ns):
+    """A listener on every endpoint address, port 8080 (a connect proves the DNAT)."""
+    code = ("import socket,time\nss=[]\n"
+            f"for ip in {list(ENDPOINTS)!r}:\n"
+            "    s=socket.socket();s.setsockopt(1,2,1);s.bind((ip,8080));s.listen(64);ss.append(s)\n"
+            "print('up',flush=True)\ntime.sleep(120)\n")
+    p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+async def test_restart_answers_from_the_first_query_and_waits_for_changed_services(node, tmp_path):
+    path = tmp_path / "cluster.json"
+    write(path, {"a": ("10.96.0.5", ["10.0.0.1"], "TCP"),
+                 "b": ("10.96.0.6", ["10.0.0.2"], "TCP"),
+                 "c": ("10.96.0.7", ["10.0.0.1", "10.0.0.3"], "TCP")})
+    backends = listen_tcp(node)
+    try:
+        first, port = await start(path, Gate(node))
+        try:
+            await synced(first)
+            assert (await ask(port, "a")) == ("NOERROR", ["10.96.0.5"])
+        finally:
+            await first.stop()
+        assert connects(node, "10.96.0.5")            # the rules stay in the kernel
+
+        # While no agent runs: b moves, c loses an endpoint, d is created.
+        write(path, {"a": ("10.96.0.5", ["10.0.0.1"], "TCP"),
+                     "b": ("10.96.0.16", ["10.0.0.2"], "TCP"),
+                     "c": ("10.96.0.7", ["10.0.0.1"], "TCP"),
+                     "d": ("10.96.0.8", ["10.0.0.3"], "TCP")})
+        gate = Gate(node)
+        gate.open.clear()                              # the new agent's first sync cannot finish yet
+        second, port = await start(path, gate)
+        try:
+            # The very first query is answered from the kernel's rules...
+            assert (await ask(port, "a")) == ("NOERROR", ["10.96.0.5"])
+            assert second.proxier.syncs == 0 and second.view.adopting
+            assert (await ask(port, "c")) == ("NOERROR", ["10.96.0.7"])
+            c_eps = sorted(a for sl in second.view.current.slices_for("ns", "c")
+                           for e in sl.endpoints for a in e.addresses)
+            assert c_eps == ["10.0.0.1"]                 # the endpoint removed while down is not shown
+            # ...a Service changed while down is not shown at its old address, a new one waits.
+            assert (await ask(port, "b"))[0] == "SERVFAIL"
+            assert (await ask(port, "d"))[0] == "SERVFAIL"
+            assert second.view.adopted == 2
+            gate.open.set()
+            await synced(second)
+            assert (await ask(port, "b")) == ("NOERROR", ["10.96.0.16"])
+            assert (await ask(port, "d")) == ("NOERROR", ["10.96.0.8"])
+            assert not second.view.adopting
+            assert connects(node, "10.96.0.16") and connects(node, "10.96.0.8")
+            assert not connects(node, "10.96.0.6")      # the old address's rules are gone
+        finally:
+            await second.stop()
+    finally:
+        backends.kill()
+        backends.wait()
+
+
+async def test_cold_node_answers_servfail_until_the_first_sync(node, tmp_path):
+    path = tmp_path / "cluster.json"
+    write(path, {"a": ("10.96.0.5", ["10.0.0.1"], "TCP")})
+    gate = Gate(node)
+    gate.open.clear()
+    agent, port = await start(path, gate)
+    try:
+        assert not agent.view.adopting                  # nothing in the kernel to adopt
+        assert (await ask(port, "a"))[0] == "SERVFAIL"
+        gate.open.set()
+        await synced(agent)
+        assert (await ask(port, "a")) == ("NOERROR", ["10.96.0.5"])
+    finally:
+        await agent.stop()

@@ -1,0 +1,165 @@
+"""Reading back what is programmed in the kernel: iptables-save (real, in a namespace) and ipvsadm -Ln."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from clusterdns.config import Config
+from clusterdns.model import (
+    LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Service, ServicePort,
+)
+from clusterdns.proxy import iptables, iptsave, ipvs
+from clusterdns.proxy.apply import RecordingRunner, Result, SubprocessRunner
+from clusterdns.proxy.proxier import IptablesBackend, IpvsBackend
+from clusterdns.state import state_from_records
+
+CFG = Config(node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
+             cluster_cidrs=("10.161.0.0/16", "fd00:161::/32"))
+
+
+def _slice(name, svc, *ips, ports=(("http", "TCP", 8080),), family="IPv4", node="node-b", **kw):
+    eps = tuple(Endpoint((ip,), node_name=node, **kw) for ip in ips)
+    return ("EndpointSlice", EndpointSlice("ns", name, svc, family, eps,
+                                           tuple(EndpointPort(*p) for p in ports)))
+
+
+def _state():
+    recs = [
+        ("Service", Service("ns", "web", cluster_ips=("10.96.0.5",),
+                            ports=(ServicePort("http", "TCP", 80), ServicePort("dns", "UDP", 53)))),
+        _slice("web-1", "web", "10.161.1.10", "10.161.1.11", ports=(("http", "TCP", 8080), ("dns", "UDP", 5353))),
+        # no endpoints: only a filter REJECT
+        ("Service", Service("ns", "empty", cluster_ips=("10.96.0.6",), ports=(ServicePort("", "TCP", 81),))),
+        # internalTrafficPolicy Local with one local endpoint of two, plus a NodePort (so KUBE-SVC exists too)
+        ("Service", Service("ns", "loc", NODE_PORT, cluster_ips=("10.96.0.7",), internal_local=True,
+                            ports=(ServicePort("http", "TCP", 80, node_port=30007),))),
+        _slice("loc-1", "loc", "10.161.1.12"),
+        ("EndpointSlice", EndpointSlice("ns", "loc-2", "loc", "IPv4", (Endpoint(("10.161.1.13",), node_name="node-a"),),
+                                        (EndpointPort("http", "TCP", 8080),))),
+        # a LoadBalancer with source ranges and affinity
+        ("Service", Service("ns", "lb", LOAD_BALANCER, cluster_ips=("10.96.0.8",), lb_ips=("203.0.113.8",),
+                            lb_source_ranges=("198.51.100.0/24",), affinity_timeout=600,
+                            ports=(ServicePort("http", "TCP", 80, node_port=30008),))),
+        _slice("lb-1", "lb", "10.161.1.14"),
+        # IPv6
+        ("Service", Service("ns", "six", cluster_ips=("fd00:96::9",), ports=(ServicePort("http", "TCP", 80),))),
+        _slice("six-1", "six", "fd00:161:1::10", family="IPv6"),
+    ]
+    return state_from_records(recs)
+
+
+EXPECTED4 = {
+    ("10.96.0.5", "TCP", 80): frozenset({"10.161.1.10:8080", "10.161.1.11:8080"}),
+    ("10.96.0.5", "UDP", 53): frozenset({"10.161.1.10:5353", "10.161.1.11:5353"}),
+    ("10.96.0.6", "TCP", 81): frozenset(),
+    ("10.96.0.7", "TCP", 80): frozenset({"10.161.1.12:8080", "10.161.1.13:8080"}),
+    ("10.96.0.8", "TCP", 80): frozenset({"10.161.1.14:8080"}),
+}
+EXPECTED6 = {("fd00:96::9", "TCP", 80): frozenset({"[fd00:161:1::10]:8080"})}
+
+
+def test_programmed_from_rendered_text():
+    """The renderer's own text read back (restore text is a superset of a dump)."""
+    state = _state()
+    for family, want in ((4, EXPECTED4), (6, EXPECTED6)):
+        text = iptables.render(state, CFG, family).text
+        assert iptsave.programmed(text, text) == want
+
+
+def test_read_and_target():
+    tables = iptsave.read("*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-X - [0:0]\n"
+                          '-A PREROUTING -m comment --comment "a -j b" -j KUBE-X\nCOMMIT\n*filter\nCOMMIT\n')
+    assert tables["nat"].chains == {"PREROUTING": "ACCEPT", "KUBE-X": "-"}
+    (rule,) = tables["nat"].rules
+    assert (rule.chain, iptsave.target(rule.spec)) == ("PREROUTING", "KUBE-X")
+    assert tables["filter"].rules == []
+    assert iptsave.tokens(rule.spec) == ["-j", "KUBE-X"]
+    assert iptsave.programmed("") == {}
+
+
+def test_not_programmed_when_wider_prefix_or_negated():
+    text = ("*nat\n:KUBE-SERVICES - [0:0]\n"
+            "-A KUBE-SERVICES -d 10.96.0.0/16 -p tcp -m tcp --dport 80 -j KUBE-SVC-AAAA\n"
+            "-A KUBE-SERVICES ! -d 10.96.0.1/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-BBBB\n"
+            "-A KUBE-SVC-AAAA -j KUBE-SEP-CCCC\n"
+            "-A KUBE-SEP-CCCC -p tcp -m tcp -j DNAT --to-destination 10.0.0.1:80\nCOMMIT\n")
+    assert iptsave.programmed(text) == {}
+
+
+IPVSADM = """IP Virtual Server version 1.2.1 (size=4096)
+Prot LocalAddress:Port Scheduler Flags
+  -> RemoteAddress:Port           Forward Weight ActiveConn InActConn
+TCP  10.96.0.1:443 rr
+  -> 172.18.0.2:6443              Masq    1      0          0
+UDP  10.96.0.10:53 rr
+  -> 10.244.0.2:53                Masq    1      3          0
+  -> 10.244.0.3:53                Masq    0      0          2
+TCP  10.96.0.20:80 rr persistent 10800
+SCTP 10.96.0.30:3868 rr
+  -> 10.244.1.9:3868              Masq    1      0          0
+FWM  12 rr
+  -> 10.244.7.7:80                Masq    1      0          0
+TCP  [fd00:96::1]:443 rr
+  -> [fd00:244::2]:6443           Masq    1      0          0
+"""
+
+
+def test_ipvsadm_list_parsed():
+    assert ipvs.parse_list(IPVSADM, 4) == {
+        ("10.96.0.1", "TCP", 443): frozenset({"172.18.0.2:6443"}),
+        ("10.96.0.10", "UDP", 53): frozenset({"10.244.0.2:53"}),    # weight 0: terminating, left out
+        ("10.96.0.20", "TCP", 80): frozenset(),
+        ("10.96.0.30", "SCTP", 3868): frozenset({"10.244.1.9:3868"}),
+    }
+    assert ipvs.parse_list(IPVSADM, 6) == {("fd00:96::1", "TCP", 443): frozenset({"[fd00:244::2]:6443"})}
+
+
+def test_ipvs_backend_reads_ipvsadm():
+    runner = RecordingRunner(lambda argv, stdin: Result(argv, 0, IPVSADM) if argv[0] == "ipvsadm" else None)
+    got = asyncio.run(IpvsBackend(runner, CFG, 4).programmed())
+    assert got[("10.96.0.1", "TCP", 443)] == frozenset({"172.18.0.2:6443"})
+    assert runner.commands() == ["ipvsadm -L -n"]
+    failing = RecordingRunner(lambda argv, stdin: Result(argv, 2, "", "Can't initialize ipvs"))
+    assert asyncio.run(IpvsBackend(failing, CFG, 4).programmed()) == {}
+
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables-restore") is None,
+                                 reason="needs root and iptables for a network namespace")
+
+
+@pytest.fixture
+def netns():
+    name = f"cdns-prog-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@needs_netns
+@pytest.mark.parametrize("large", [False, True], ids=["comments", "large-cluster"])
+def test_backend_reads_back_what_a_sync_applied(netns, large, monkeypatch):
+    """Rules applied through the real tools; iptables-save then read back by the backend."""
+    if large:   # the large-cluster layout drops the endpoint comments
+        monkeypatch.setattr(iptables, "LARGE_CLUSTER_ENDPOINTS", 1)
+    state = _state()
+    runner = SubprocessRunner(prefix=("ip", "netns", "exec", netns))
+
+    async def go():
+        out = {}
+        for family in (4, 6):
+            backend = IptablesBackend(runner, CFG, family)
+            assert await backend.programmed() == {}       # nothing there yet
+            await backend.sync(state, None, 0.0)
+            fresh = IptablesBackend(runner, CFG, family)  # a new process: reads the kernel
+            out[family] = await fresh.programmed()
+        return out
+
+    got = asyncio.run(go())
+    assert got[4] == EXPECTED4
+    assert got[6] == EXPECTED6
