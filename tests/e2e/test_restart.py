@@ -15,8 +15,6 @@ so only the proxier's DNAT makes a connection to a ClusterIP reach an endpoint
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import subprocess
 import sys
 
@@ -30,44 +28,24 @@ from clusterdns.config import load
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort
 from clusterdns.proxy.apply import SubprocessRunner
 from clusterdns.synthetic import to_manifest
+from tests.nslib import requires, sh
 
 
-def _skip_reason() -> str:
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    for tool in ("ip", "iptables-nft-restore", "conntrack"):
-        if shutil.which(tool) is None:
-            return f"needs {tool}"
-    return ""
-
-
-pytestmark = [pytest.mark.root, pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "ok")]
+pytestmark = [pytest.mark.root, requires("iptables-nft-restore", "conntrack")]
 
 ENDPOINTS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
 
 
-def sh(ns, *argv, check=True, input=None):
-    res = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, input=input)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip()}")
-    return res.stdout
-
-
 @pytest.fixture
-def node():
-    name = f"cdrs-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        sh(name, "ip", "link", "set", "lo", "up")
-        for ip in ENDPOINTS:
-            sh(name, "ip", "addr", "add", f"{ip}/32", "dev", "lo")
-        sh(name, "ip", "link", "add", "void0", "type", "bridge")
-        sh(name, "ip", "link", "set", "void0", "up")
-        sh(name, "ip", "addr", "add", "192.168.77.2/24", "dev", "void0")
-        sh(name, "ip", "route", "add", "10.96.0.0/12", "dev", "void0")
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+def node(namespaces):
+    name = namespaces.add("node")
+    for ip in ENDPOINTS:
+        sh("ip", "addr", "add", f"{ip}/32", "dev", "lo", ns=name)
+    sh("ip", "link", "add", "void0", "type", "bridge", ns=name)
+    sh("ip", "link", "set", "void0", "up", ns=name)
+    sh("ip", "addr", "add", "192.168.77.2/24", "dev", "void0", ns=name)
+    sh("ip", "route", "add", "10.96.0.0/12", "dev", "void0", ns=name)
+    return name
 
 
 class Gate:

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import subprocess
 
 import pytest
 
@@ -16,6 +13,7 @@ from clusterdns.proxy import iptables, iptsave, ipvs
 from clusterdns.proxy.apply import RecordingRunner, Result, SubprocessRunner
 from clusterdns.proxy.proxier import IptablesBackend, IpvsBackend
 from clusterdns.state import state_from_records
+from tests.nslib import requires
 
 CFG = Config(node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
              cluster_cidrs=("10.161.0.0/16", "fd00:161::/32"))
@@ -127,21 +125,7 @@ def test_ipvs_backend_reads_ipvsadm():
     assert asyncio.run(IpvsBackend(failing, CFG, 4).programmed()) == {}
 
 
-needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables-restore") is None,
-                                 reason="needs root and iptables for a network namespace")
-
-
-@pytest.fixture
-def netns():
-    name = f"cdns-prog-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
-
-
-@needs_netns
+@requires("iptables-restore", "ip6tables-restore")
 @pytest.mark.parametrize("large", [False, True], ids=["comments", "large-cluster"])
 def test_backend_reads_back_what_a_sync_applied(netns, large, monkeypatch):
     """Rules applied through the real tools; iptables-save then read back by the backend."""
