@@ -9,12 +9,10 @@ import importlib
 import logging
 import sys
 
-from .config import ConfigError, load
-from .sources.manifest import ManifestError
+from .config import load
+from .errors import ConfigError, InputError, UsageError
 
-
-class UsageError(Exception):
-    """Raised by a command for input it cannot use; exit code 2."""
+__all__ = ["UsageError", "main"]
 
 
 def setup_logging(level: str) -> None:
@@ -34,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"clusterdns.commands.{cfg.command}")
     try:
         return int(module.run(cfg) or 0)
-    except (ManifestError, UsageError, ConfigError) as exc:
+    except InputError as exc:
         print(f"clusterdns: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,16 +14,14 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
+
 COMMANDS = ("agent", "dns", "proxy", "rules", "trace")
 PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
 POD_MODES = ("disabled", "insecure", "verified")
 CONFIG_KIND = "ClusterDNSConfiguration"
 # node name, node IPs, cluster CIDRs, service CIDRs of the embedded demo cluster (clusterdns/demo/cluster.yaml)
 DEMO_NODE = ("node-a", ("192.168.49.2",), ("10.161.0.0/16",), ("172.20.0.0/16",))
-
-
-class ConfigError(ValueError):
-    """A bad flag or configuration value; the message is one line."""
 
 
 @dataclass(frozen=True)

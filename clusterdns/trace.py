@@ -5,7 +5,9 @@ The walk replays what a glibc stub resolver does with the pod's resolv.conf
 DNS server as it answers now: an in-process Engine built from the state, or a
 running agent over the wire. Then, for the Service the name resolves to, the
 rule path the proxier programs (taken from the proxier's own rendered rules,
-so trace can never disagree with what is applied) and the endpoints.
+so trace can never disagree with what is applied) and the endpoints. Each
+proxy mode has its own path: iptables chains, nftables objects, or IPVS
+virtual and real servers with the ipsets and iptables rules around them.
 
 `build_trace` returns plain data (the `--json` schema, versioned by "schema");
 `format_text` renders it for a person.
@@ -26,6 +28,7 @@ from .state import ClusterState
 
 SCHEMA = "clusterdns.trace/v1"
 KUBE_DNS = ("kube-system", "kube-dns")
+DEMO_POD = ("testapp", "client")     # where a trace on the demo cluster starts by default
 QTYPES = ("A", "AAAA")
 
 
@@ -38,6 +41,31 @@ class Asker(Protocol):
 
     async def ask(self, qname: str, qtype: str) -> dns.message.Message: ...
 
+    def route(self, qname: str) -> str:
+        """Where the last question for qname was answered: "zone", "upstream" or "refused"
+        (outside the zones with no upstream)."""
+        ...
+
+
+def _in_zones(qname: str, zones: tuple[str, ...]) -> bool:
+    name = qname.rstrip(".").lower()
+    return any(name == z or name.endswith("." + z) for z in (z.rstrip(".").lower() for z in zones))
+
+
+class _SeenForwarder:
+    """The engine's forwarder, noting every name the engine sends upstream."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.asked: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def query(self, request: Any, tcp: bool) -> Any:
+        self.asked.add(str(request.q.qname).lower())
+        return await self.inner.query(request, tcp)
+
 
 def _query(qname: str, qtype: str) -> dns.message.Message:
     # glibc sends plain queries with RD set and no EDNS unless `options edns0`.
@@ -47,10 +75,18 @@ def _query(qname: str, qtype: str) -> dns.message.Message:
 class EngineAsker:
     """Asks an in-process DNS engine (the one the agent runs) built from the state."""
 
-    def __init__(self, engine: Any, client_ip: str, description: str) -> None:
+    def __init__(self, engine: Any, client_ip: str, description: str,
+                 seen: _SeenForwarder | None = None, zones: tuple[str, ...] = ()) -> None:
         self.engine = engine
+        self.zones = zones
         self.client_ip = client_ip
         self.description = description
+        self.seen = seen
+
+    def route(self, qname: str) -> str:
+        if self.seen is not None and qname.lower() in self.seen.asked:
+            return "upstream"
+        return "zone" if _in_zones(qname, self.zones) else "refused"
 
     async def ask(self, qname: str, qtype: str) -> dns.message.Message:
         q = _query(qname, qtype)
@@ -64,9 +100,14 @@ class EngineAsker:
 class WireAsker:
     """Asks a running server over UDP, retrying over TCP when the reply is truncated."""
 
-    def __init__(self, host: str, port: int, timeout: float = 2.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float = 2.0, zones: tuple[str, ...] = ()) -> None:
         self.host, self.port, self.timeout = host, port, timeout
+        self.zones = zones
         self.description = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+
+    def route(self, qname: str) -> str:
+        # A running server forwards what is outside its zones; whether it has upstreams is its own.
+        return "zone" if _in_zones(qname, self.zones) else "upstream"
 
     async def ask(self, qname: str, qtype: str) -> dns.message.Message:
         import dns.asyncquery
@@ -106,10 +147,13 @@ def resolver_view(cfg: Config, state: ClusterState) -> tuple[resolvconf.ResolvCo
             raise TraceError(f"{cfg.trace_resolv_conf}: {exc.strerror or exc}") from None
         return conf, {"source": "file", "path": cfg.trace_resolv_conf, "pod": None, "client_ip": None}
     namespace, pod_name = "default", ""
-    if cfg.from_pod:
-        namespace, pod_name = cfg.from_pod.split("/", 1)
+    from_pod = cfg.from_pod
+    if not from_pod and cfg.demo and DEMO_POD in state.pods:
+        from_pod = "/".join(DEMO_POD)       # the client pod of the design's path
+    if from_pod:
+        namespace, pod_name = from_pod.split("/", 1)
         if not namespace or not pod_name:
-            raise TraceError(f"--from-pod {cfg.from_pod!r}: expected NAMESPACE/POD")
+            raise TraceError(f"--from-pod {from_pod!r}: expected NAMESPACE/POD")
     client_ip = None
     if pod_name:
         pod = state.pods.get((namespace, pod_name))
@@ -149,7 +193,7 @@ async def walk(name: str, conf: resolvconf.ResolvConf, asker: Asker) -> dict:
         for qtype in QTYPES:
             msg = await asker.ask(cand, qtype)
             replies[qtype] = msg
-            queries.append({"step": step, "name": cand, "type": qtype,
+            queries.append({"step": step, "name": cand, "type": qtype, "route": asker.route(cand),
                             "rcode": dns.rcode.to_text(msg.rcode()),
                             "aa": bool(msg.flags & dns.flags.AA), "tc": bool(msg.flags & dns.flags.TC),
                             "answers": _answers(msg)})
@@ -168,8 +212,9 @@ async def walk(name: str, conf: resolvconf.ResolvConf, asker: Asker) -> dict:
             q["stop"] = q["name"] == stopped_at
     addresses = [a["data"] for q in queries if q["name"] == stopped_at
                  for a in q["answers"] if a["type"] in QTYPES]
+    upstream = [q["name"] for q in queries if q["route"] == "upstream"]
     return {"queries": queries, "stopped_at": stopped_at, "outcome": outcome,
-            "addresses": list(dict.fromkeys(addresses))}
+            "addresses": list(dict.fromkeys(addresses)), "upstream": list(dict.fromkeys(upstream))}
 
 
 # ---------------------------------------------------------------- service, rules, endpoints
@@ -278,14 +323,14 @@ def iptables_path(state: ClusterState, cfg: Config, svc, family: int) -> list[di
         ours = {info.svc_chain, info.svl_chain, info.ext_chain, info.fw_chain}
         ours |= {info.sep_chain(ep) for ep in cat.reachable}
         entry = [r for r in nat if _chain_of(r) in ("KUBE-SERVICES", "KUBE-NODEPORTS") and _target(r) in ours]
-        chains = {}
+        chains: dict[str, list[str]] = {}
         for r in nat:
             c = _chain_of(r)
             if c in ours:
                 chains.setdefault(c, []).append(r)
         quoted = f'"{info.name} '
         filt = [r for r in flt if quoted in r]
-        dnat = {c: _DNAT.search(r).group(1) for c, rs in chains.items() for r in rs if _DNAT.search(r)}
+        dnat = {c: m.group(1) for c, rs in chains.items() for r in rs if (m := _DNAT.search(r))}
         by_endpoint = {info.sep_chain(ep): ep for ep in cat.reachable}
         dispatch = []
         for chain in (info.svc_chain, info.svl_chain):
@@ -315,20 +360,134 @@ def iptables_path(state: ClusterState, cfg: Config, svc, family: int) -> list[di
     return out
 
 
+# ---------------------------------------------------------------- rules (ipvs)
+
+_MATCH_SET = re.compile(r"--match-set (\S+) ")
+
+
+def _ipvs_set_members(name: str, entries: frozenset[str], info, servers: list, hcnp: int) -> list[str]:
+    """The entries of ipset `name` that stand for this service port (kube-proxy's entry formats)."""
+    proto = info.protocol
+    portals = {f"{vs.address},{proto}:{vs.port}" for vs in servers}
+    reals = {f"{r.ip},{proto}:{r.port},{r.ip}" for vs in servers for r in vs.reals}
+    addresses = {info.cluster_ip, *info.external_ips, *info.lb_ips}
+    out = []
+    for e in sorted(entries):
+        if "HEALTH-CHECK" in name:
+            hit = bool(hcnp) and e == str(hcnp)
+        elif "NODE-PORT" in name and "SCTP" not in name:
+            hit = bool(info.node_port) and e == str(info.node_port) and proto.upper() in name
+        elif "LOOP-BACK" in name:
+            hit = e in reals
+        elif "IPVS-IPS" in name:
+            hit = e in addresses
+        else:
+            hit = e in portals or any(e.startswith(p + ",") for p in portals)
+        if hit:
+            out.append(e)
+    return out
+
+
+def _ipvs_masq_reason(rule: str, cfg: Config) -> str:
+    if "-j MASQUERADE" in rule:
+        return "hairpin: an endpoint reaching itself through the Service (KUBE-LOOP-BACK)"
+    m = _NOT_SRC.search(rule)
+    if m:
+        return f"source outside the cluster CIDR {m.group(1)}"
+    if " src,dst " in rule:
+        return "traffic from the node itself (its source is a service address on kube-ipvs0)"
+    if "NODE-PORT" in rule:
+        return "NodePort traffic (externalTrafficPolicy Cluster)"
+    if "EXTERNAL-IP" in rule:
+        return "traffic to an external IP (externalTrafficPolicy Cluster)"
+    if "KUBE-LOAD-BALANCER" in rule:
+        return "LoadBalancer traffic (externalTrafficPolicy Cluster)"
+    if cfg.masquerade_all:
+        return "all traffic (--masquerade-all)"
+    return "always"
+
+
+def ipvs_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
+    """The service's IPVS virtual servers and real servers, the ipset entries that stand for
+    it and the iptables rules matching those ipsets, as the IPVS proxier renders them."""
+    from .proxy import ipvs
+    from .proxy.servicemap import service_ports_for
+    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
+    ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
+    if not ports:
+        return []
+    conf = ipvs.render(state, cfg, family)
+    tables = _iptables_tables(conf.iptables)
+    out = []
+    for info, cat in ports:
+        servers = [vs for vs in conf.virtual_servers if vs.service == info.name]
+        sets = {name: members for name, entries in sorted((conf.set_entries or {}).items())
+                if (members := _ipvs_set_members(name, entries, info, servers, info.health_check_node_port))}
+        chains: dict[tuple[str, str], list[str]] = {}
+        for table in ("nat", "filter"):
+            for r in tables.get(table, []):
+                m = _MATCH_SET.search(r)
+                if m and m.group(1) in sets:
+                    chains.setdefault((table, _chain_of(r)), []).append(r)
+        if info.lb_ips:
+            chains.setdefault(("nat", "KUBE-LOAD-BALANCER"), []).extend(
+                r for r in tables.get("nat", []) if r.startswith("-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ"))
+        by_real = {(ep.ip, ep.port): ep for ep in cat.all}
+        cluster_vs = next((vs for vs in servers if vs.address == info.cluster_ip and vs.port == info.port_number),
+                          None)
+        dispatch = []
+        if cluster_vs is not None:
+            n = len(cluster_vs.reals)
+            for real in cluster_vs.reals:
+                ep = by_real.get((real.ip, real.port))
+                dispatch.append({"chain": f"virtual server {cluster_vs.key}", "target": "real server",
+                                 "probability": round(1.0 / n, 10),
+                                 "probability_text": f"1/{n} ({cluster_vs.scheduler})",
+                                 "endpoint": ep.endpoint if ep else f"{real.ip}:{real.port}",
+                                 "node": ep.node_name if ep else None, "zone": ep.zone if ep else None,
+                                 "ready": ep.ready if ep else None})
+        masq = [{"chain": c, "when": _ipvs_masq_reason(r, cfg), "rule": r,
+                 "set": (m.group(1) if (m := _MATCH_SET.search(r)) else None)}
+                for (_, c), rs in chains.items() for r in rs if r.endswith(("-j KUBE-MARK-MASQ", "-j MASQUERADE"))]
+        cluster_set = ipvs.set_name(ipvs.CLUSTER_IP, family)
+        out.append({
+            "port": info.name, "protocol": info.protocol, "cluster_ip": info.cluster_ip,
+            "port_number": info.port_number, "node_port": info.node_port or None,
+            "entry": [f"ipset {name}: {', '.join(members[:3])}" + (f", ... ({len(members)} entries)"
+                                                                     if len(members) > 3 else "")
+                      for name, members in sets.items()],
+            "filter": [],
+            "chains": [{"table": tb, "name": c, "rules": rs} for (tb, c), rs in chains.items()],
+            "dispatch": dispatch, "masquerade": masq,
+            "cluster_masquerade": any(m["set"] == cluster_set for m in masq),
+            "virtual_servers": [{"key": vs.key, "address": vs.address, "protocol": vs.protocol, "port": vs.port,
+                                 "scheduler": vs.scheduler, "persistence": vs.persistence or None,
+                                 "real_servers": [{"address": r.ip, "port": r.port, "weight": r.weight}
+                                                  for r in vs.reals]} for vs in servers],
+            "ipsets": sets,
+            "endpoints_total": len(cat.all), "endpoints_used": len(cluster_vs.reals) if cluster_vs else 0,
+            "has_endpoints": cat.has_endpoints,
+        })
+    return out
+
+
 # ---------------------------------------------------------------- putting it together
 
 def make_asker(cfg: Config, state: ClusterState, resolver: dict, conf: resolvconf.ResolvConf) -> Asker:
     """A running server when --listen is given, else an in-process engine on `state`."""
     if cfg.listen:
         host, port = cfg.listen_addresses()[0]
-        return WireAsker(host, port)
+        return WireAsker(host, port, zones=cfg.zones)
     from .dns.engine import Engine
     from .dns.forward import Forward
     forwarder = Forward.from_config(cfg)
-    engine = Engine(cfg, forwarder, server_addresses=lambda: list(conf.nameservers[:1]))
+    seen = _SeenForwarder(forwarder) if forwarder is not None else None
+    engine = Engine(cfg, seen, server_addresses=lambda: list(conf.nameservers[:1]))
     engine.update(state)
+    ups = ", ".join(u.address for u in getattr(forwarder, "upstreams", ()))
     return EngineAsker(engine, resolver.get("client_ip") or "127.0.0.1",
-                       f"in-process engine (state version {state.version})")
+                       f"in-process engine (state version {state.version}; "
+                       + (f"upstream {ups})" if ups else "no upstream)"), seen, cfg.zones)
 
 
 async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = None) -> dict:
@@ -340,15 +499,15 @@ async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = No
     try:
         result = await walk(cfg.name, conf, asker)
     finally:
-        close = getattr(getattr(asker, "engine", None), "forwarder", None)
-        if close is not None and hasattr(close, "close"):
-            await close.close()
+        seen = getattr(asker, "seen", None)
+        if seen is not None and hasattr(seen.inner, "close"):
+            await seen.inner.close()
     svc = find_service(state, cfg, result["stopped_at"], result["addresses"])
     mode = cfg.proxy_mode if cfg.proxy_mode != "none" else "iptables"
     family = 4
     if result["addresses"] and ":" in result["addresses"][0]:
         family = 6
-    data = {
+    data: dict[str, Any] = {
         "schema": SCHEMA, "name": cfg.name, "resolver": resolver, "server": asker.description,
         "libc": "glibc", "walk": result, "service": None, "rules": None, "endpoints": [],
     }
@@ -357,6 +516,8 @@ async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = No
         data["endpoints"] = _endpoint_data(state, svc)
         if mode == "iptables":
             ports = iptables_path(state, cfg, svc, family)
+        elif mode == "ipvs":
+            ports = ipvs_path(state, cfg, svc, family)
         else:
             ports = nftables_path(state, cfg, svc, family, mode)
         data["rules"] = {"mode": mode, "family": family, "ports": ports,
@@ -497,7 +658,8 @@ def format_text(data: dict, color: bool = False) -> str:
     w = data["walk"]
     lines.append(s.bold("DNS walk") + s.dim("  (glibc: A and AAAA together per candidate, next on "
                                                "NXDOMAIN/NODATA/SERVFAIL)"))
-    rows = [["#", "NAME", "TYPE", "RCODE", "ANSWER"]]
+    rows = [["#", "NAME", "TYPE", "FROM", "RCODE", "ANSWER"]]
+    route_text = {"zone": "zone", "upstream": s.bold("upstream"), "refused": "no upstream"}
     for q in w["queries"]:
         ans = ", ".join(f"{a['data']}" + (f" ({a['type']})" if a["type"] != q["type"] else "")
                         for a in q["answers"][:4])
@@ -512,8 +674,11 @@ def format_text(data: dict, color: bool = False) -> str:
             rcode = "NODATA"
         elif rcode != "NXDOMAIN":
             rcode = s.bad(rcode)
-        rows.append([str(q["step"]), q["name"], q["type"], rcode, ans or "-"])
+        rows.append([str(q["step"]), q["name"], q["type"], route_text.get(q.get("route", ""), "-"), rcode,
+                     ans or "-"])
     lines += _table(rows)
+    if w.get("upstream"):
+        lines.append("  " + f"sent upstream (outside the served zones): {', '.join(w['upstream'])}")
     if w["outcome"] == "answer":
         lines.append("  " + s.good(f"stops at {w['stopped_at']}") + f" -> {', '.join(w['addresses']) or 'CNAME'}")
     elif w["outcome"] == "error":
@@ -541,9 +706,15 @@ def format_text(data: dict, color: bool = False) -> str:
                 lines.append("    " + s.dim(e))
             for f in p["filter"]:
                 lines.append("    " + s.bad(f))
+            for c in p["chains"] if rules["mode"] == "ipvs" else ():
+                for rule in c["rules"]:
+                    lines.append("    " + s.dim(f"{c['table']}: {rule}"))
+            for vs in p.get("virtual_servers", [])[1:]:
+                lines.append(f"    virtual server {vs['key']} ({vs['scheduler']}): "
+                             f"{len(vs['real_servers'])} real servers")
             if p["dispatch"]:
                 chain = p["dispatch"][0]["chain"]
-                head = "KUBE-SERVICES -> " if rules["mode"] == "iptables" else "service-ips map -> "
+                head = {"iptables": "KUBE-SERVICES -> ", "ipvs": ""}.get(rules["mode"], "service-ips map -> ")
                 lines.append(f"    {head}{chain} -> one of {len(p['dispatch'])}:")
                 shown = p["dispatch"]
                 if len(shown) > 8:   # the whole list is in --json
@@ -558,9 +729,14 @@ def format_text(data: dict, color: bool = False) -> str:
             other = [m for m in p["masquerade"] if not m["when"].startswith("hairpin")]
             for m in other:
                 lines.append(f"    masquerade in {m['chain']}: {m['when']}")
-            if not any(m["chain"] == (p["dispatch"][0]["chain"] if p["dispatch"] else "") for m in other):
+            cluster_masq = p["cluster_masquerade"] if "cluster_masquerade" in p else any(
+                m["chain"] == (p["dispatch"][0]["chain"] if p["dispatch"] else "") for m in other)
+            if not cluster_masq:
                 lines.append("    masquerade of cluster traffic: none (no --cluster-cidr or --masquerade-all)")
-            if hairpin:
+            if hairpin and rules["mode"] == "ipvs":
+                lines.append(f"    masquerade when an endpoint reaches itself through the Service (hairpin: "
+                             f"local endpoints in {hairpin[0]['set']})")
+            elif hairpin:
                 lines.append(f"    masquerade when an endpoint reaches itself through the Service (hairpin, "
                              f"{len(hairpin)} endpoint chain{'s' if len(hairpin) != 1 else ''})")
     eps = data["endpoints"]

@@ -101,6 +101,15 @@ def test_headless_and_external_name_have_no_rules(capsys):
     assert data["walk"]["queries"][0]["answers"][0]["type"] == "CNAME"
     assert data["rules"]["ports"] == [] and "ExternalName" in data["rules"]["note"]
 
+    code, out, _ = run_trace(capsys, "testapp-headless", "--from-pod", "testapp/client", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["service"]["name"] == "testapp-headless" and data["service"]["headless"] is True
+    # DNS answers the endpoint addresses themselves, not a ClusterIP
+    endpoints = {e["address"] for e in data["endpoints"] if e["ready"]}
+    assert endpoints and set(data["walk"]["addresses"]) == endpoints
+    assert data["rules"]["ports"] == [] and data["rules"]["note"].startswith("headless")
+
 
 def test_bad_input_is_exit_2(capsys, tmp_path):
     code, _, err = run_trace(capsys, "testapp-svc", "--from-pod", "testapp/nobody")
@@ -114,8 +123,8 @@ def test_bad_input_is_exit_2(capsys, tmp_path):
 def test_walk_over_the_wire_against_a_running_server():
     """The same walk through a real DnsService socket (what --listen HOST:PORT does)."""
     from clusterdns.dns.server import DnsService
+    from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
     from clusterdns.state import StateStore
-    from clusterdns.sources.manifest import publish, load_files, DEMO_MANIFEST
 
     async def main():
         cfg = load(["dns", "--listen", "127.0.0.1:0", "--no-upstream", "--manifest", DEMO_MANIFEST])
@@ -153,6 +162,7 @@ def test_text_table_alignment_and_colour():
 def test_nftables_rule_path(capsys):
     code, out, _ = run_trace(capsys, "testapp-svc", "--from-pod", "testapp/client", "--json",
                              "--proxy-mode", "nftables", "--cluster-cidr", "10.161.0.0/16")
+    assert code == 0
     rules = json.loads(out)["rules"]
     assert rules["mode"] == "nftables"
     port = rules["ports"][0]
@@ -178,3 +188,94 @@ def test_trace_against_a_live_cluster(tmp_path, capsys):
     assert data["walk"]["addresses"] == ["172.20.36.232"]
     assert data["resolver"]["client_ip"] == "10.161.37.5"
     assert len(data["rules"]["ports"][0]["dispatch"]) == 74
+
+
+def _ipvsadm_reals(text: str, key: str) -> set[str]:
+    """Real servers of one virtual server, read from ipvsadm-restore input."""
+    return {line.split(" -r ")[1].split()[0] for line in text.splitlines() if line.startswith(f"-a {key} -r ")}
+
+
+def test_ipvs_rule_path_is_the_ipvs_one(capsys):
+    from clusterdns.proxy import ipvs
+    code, out, _ = run_trace(capsys, "testapp-svc", "--json", "--proxy-mode", "ipvs")
+    assert code == 0
+    rules = json.loads(out)["rules"]
+    assert rules["mode"] == "ipvs"
+    port = rules["ports"][0]
+    # no nftables objects or iptables service chains under the ipvs label
+    text = json.dumps(port)
+    assert "service-ips" not in text and "KUBE-SVC-" not in text and "numgen" not in text
+    vs = {v["key"]: v for v in port["virtual_servers"]}
+    assert set(vs) == {"-t 172.20.36.232:8080"}
+    cfg = load(["rules", "--mode", "ipvs"])
+    conf = ipvs.render(load_once(cfg), cfg, 4)
+    reals = {f"{r['address']}:{r['port']}" for r in vs["-t 172.20.36.232:8080"]["real_servers"]}
+    assert reals == _ipvsadm_reals(conf.ipvsadm, "-t 172.20.36.232:8080")
+    assert reals == {f"10.161.33.{i}:8080" for i in range(100, 174)}
+    assert vs["-t 172.20.36.232:8080"]["scheduler"] == "rr"
+    assert {d["endpoint"] for d in port["dispatch"]} == reals and port["dispatch"][0]["probability_text"] == "1/74 (rr)"
+    assert port["ipsets"]["KUBE-CLUSTER-IP"] == ["172.20.36.232,tcp:8080"]
+    assert port["ipsets"]["KUBE-IPVS-IPS"] == ["172.20.36.232"]
+    # node-a's endpoints are in the hairpin set, node-b's are not
+    loop = set(port["ipsets"]["KUBE-LOOP-BACK"])
+    assert "10.161.33.100,tcp:8080,10.161.33.100" in loop and not any(e.startswith("10.161.33.101,") for e in loop)
+    rule_lines = [r for c in port["chains"] for r in c["rules"]]
+    assert all(r in conf.iptables.splitlines() for r in rule_lines)
+    assert any("--match-set KUBE-CLUSTER-IP dst,dst ! -s 10.161.0.0/16 -j KUBE-MARK-MASQ" in r for r in rule_lines)
+    assert any("KUBE-IPVS-FILTER" in r and "KUBE-CLUSTER-IP" in r for r in rule_lines)
+    whens = {m["when"] for m in port["masquerade"]}
+    assert "source outside the cluster CIDR 10.161.0.0/16" in whens and any(w.startswith("hairpin") for w in whens)
+    assert port["cluster_masquerade"] is True
+
+
+def test_ipvs_nodeport_virtual_servers_and_text(capsys):
+    code, out, _ = run_trace(capsys, "testapp2-svc", "--json", "--proxy-mode", "ipvs")
+    assert code == 0
+    port = json.loads(out)["rules"]["ports"][0]
+    keys = {v["key"] for v in port["virtual_servers"]}
+    cluster_ip = json.loads(out)["service"]["cluster_ips"][0]
+    assert "-t 192.168.49.2:31218" in keys and any(k.startswith(f"-t {cluster_ip}:") for k in keys)
+    assert port["ipsets"]["KUBE-NODE-PORT-TCP"] == ["31218"]
+    assert any("KUBE-NODE-PORT-TCP" in r and r.endswith("-j KUBE-MARK-MASQ") for c in port["chains"] for r in c["rules"])
+    code, text, _ = run_trace(capsys, "testapp2-svc", "--proxy-mode", "ipvs")
+    assert "Rules (ipvs, IPv4)" in text and "virtual server -t 192.168.49.2:31218" in text
+    assert f"virtual server -t {cluster_ip}:" in text and "service-ips map" not in text
+
+
+def test_demo_default_is_the_design_path(capsys):
+    """No --from-pod or --resolv-conf on the demo cluster: the pod testapp/client."""
+    code, out, _ = run_trace(capsys, "testapp-svc", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["resolver"]["pod"] == "testapp/client" and data["resolver"]["client_ip"] == "10.161.37.5"
+    assert data["walk"]["addresses"] == ["172.20.36.232"]
+    code, text, _ = run_trace(capsys, "testapp-svc")
+    assert "from pod testapp/client" in text and f"stops at {SVC}" in text
+
+
+def test_upstream_candidates_are_named_and_logs_stay_out(capsys):
+    """The last candidate goes to the upstream (here nothing listens there): the output says
+    so, and the forwarder's warning comes after the trace on stderr, not inside it."""
+    from tests.netutil import free_port
+    port = free_port()
+    code = cli.main(["trace", "nosuch", "--upstream", f"127.0.0.1:{port}", "--json"])
+    out = capsys.readouterr()
+    data = json.loads(out.out)     # stdout is nothing but the trace
+    assert code == 1
+    routes = {(q["name"], q["route"]) for q in data["walk"]["queries"]}
+    assert routes == {("nosuch.testapp.svc.cluster.local.", "zone"), ("nosuch.svc.cluster.local.", "zone"),
+                      ("nosuch.cluster.local.", "zone"), ("nosuch.", "upstream")}
+    assert data["walk"]["upstream"] == ["nosuch."]
+    assert any("unhealthy" in line for line in data["log"]), data["log"]
+    cli.main(["trace", "nosuch", "--upstream", f"127.0.0.1:{port}"])
+    out = capsys.readouterr()
+    assert "sent upstream (outside the served zones): nosuch." in out.out
+    assert "WARNING" not in out.out and "unhealthy" in out.err
+
+
+def test_no_upstream_candidates_are_refused_not_forwarded(capsys):
+    code, out, _ = run_trace(capsys, "nosuch", "--json")
+    assert code == 1
+    w = json.loads(out)["walk"]
+    assert [q["route"] for q in w["queries"] if q["name"] == "nosuch."] == ["refused", "refused"]
+    assert w["upstream"] == []

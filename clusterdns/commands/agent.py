@@ -13,7 +13,7 @@ import signal
 import sys
 
 from ..agent import Agent
-from ..cli import UsageError
+from ..errors import UsageError
 from ..config import Config
 from ..localdns import LocalDNSError
 

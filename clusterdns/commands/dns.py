@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 
-from ..cli import UsageError
+from ..errors import UsageError
 from ..config import Config
 from ..health import HealthServer
 from ..sources import loader

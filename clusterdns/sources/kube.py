@@ -21,6 +21,7 @@ from typing import Any, Coroutine
 import aiohttp
 
 from ..config import Config
+from ..errors import UsageError
 from ..model import KINDS
 from ..state import StateStore
 from .reflector import (
@@ -45,7 +46,6 @@ def resources_for(cfg: Config) -> list[Resource]:
 
 
 def _usage_error(message: str) -> Exception:
-    from ..cli import UsageError   # imported late: cli imports the sources
     return UsageError(message)
 
 

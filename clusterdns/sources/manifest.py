@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import yaml
 
 from .. import metrics
+from ..errors import ManifestError
 from ..model import KINDS
 from ..state import StateStore
 from .objects import API_VERSIONS, InvalidObject, convert, object_name
@@ -26,15 +27,6 @@ log = logging.getLogger(__name__)
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 DEMO_MANIFEST = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo", "cluster.yaml")
-
-
-class ManifestError(Exception):
-    """A manifest file that cannot be read or parsed at all."""
-
-    def __init__(self, path: str, line: int | None, reason: str) -> None:
-        self.path, self.line, self.reason = path, line, reason
-        where = f"{path}:{line}" if line else path
-        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True)
