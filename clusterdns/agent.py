@@ -105,6 +105,8 @@ class Agent:
         health.add_ready_check("first rule sync not done",
                                lambda: self.proxier is None or self.proxier.syncs > 0)
         health.add_ready_check("dns", lambda: self.dns is not None and self.dns.synced)
+        # The kube source's liveness probe: the state served is frozen while it fails.
+        health.add_ready_check("kube API not answering", lambda: getattr(self.source, "api_ok", True))
 
     # -- building blocks
     def _make_proxier(self):

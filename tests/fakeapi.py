@@ -16,14 +16,20 @@ labelSelector (equality forms). WATCH (?watch=1) streams JSON
 lines (ADDED, MODIFIED, DELETED, BOOKMARK when allowWatchBookmarks), replays
 history after the requested resourceVersion, answers a resourceVersion older
 than its history with an ERROR event of code 410 in a 200 stream (as the watch
-cache does; or HTTP 410 with `gone_as_http=True`), and closes the stream after
-timeoutSeconds.
+cache does; or HTTP 410 with `gone_as_http=True`), sends BOOKMARKs as the
+watch cache does (2 s before timeoutSeconds, and every `bookmark_interval`,
+60 s by default) and closes the stream after timeoutSeconds. /readyz, /livez,
+/healthz and /version answer without authentication, as kube-apiserver's do
+for system:public-info-viewer.
 
 Test controls: add/update/apply/delete objects, compact() the history (forces
 410 for older versions), bookmark(), drop_watches(), stall_watches() (a dead
-connection: nothing more is sent and the stream never ends), stop()/start()
-(an outage; the port is kept), forbid() a resource (403), fail_next() (5xx),
-and write_kubeconfig(). Every request is recorded in `requests`.
+connection: nothing more is sent and the stream never ends), stall(seconds)
+(a stuck server: open watches go silent for good and every request arriving
+meanwhile, probes included, is accepted and never answered; after `seconds`
+new requests are served again), stop()/start() (an outage; the port is
+kept), forbid() a resource (403), fail_next() (5xx), and write_kubeconfig().
+Every request is recorded in `requests` (probes with their path as resource).
 
     with FakeAPIServer() as api:
         api.add(service_dict)
@@ -65,6 +71,7 @@ RESOURCES: dict[str, Resource] = {r.name: r for r in (
     Resource("nodes", "Node", "v1", "/api/v1/nodes", False),
 )}
 BY_KIND = {r.kind: r for r in RESOURCES.values()}
+PROBE_PATHS = ("/readyz", "/livez", "/healthz", "/version")
 
 
 @dataclass(frozen=True)
@@ -153,11 +160,14 @@ class FakeAPIServer:
     """See the module docstring. Methods are thread-safe; they run on the server's loop."""
 
     def __init__(self, *, history: int = 1000, token: str | None = "fake-token",
-                 gone_as_http: bool = False, bookmark_interval: float | None = None) -> None:
+                 gone_as_http: bool = False, bookmark_interval: float | None = 60.0,
+                 deadline_bookmarks: bool = True) -> None:
         self.history_size = history
         self.token = token
         self.gone_as_http = gone_as_http
         self.bookmark_interval = bookmark_interval
+        self.deadline_bookmarks = deadline_bookmarks
+        self._stall_until: float | None = None    # monotonic; inf: until unstall()
         self.requests: list[RequestRecord] = []
         self.port = 0
         self._rv = 0
@@ -243,6 +253,8 @@ class FakeAPIServer:
         app = web.Application()
         for res in RESOURCES.values():
             app.router.add_get(res.path, self._handler(res))
+        for path in PROBE_PATHS:
+            app.router.add_get(path, self._probe_handler)
         runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", self.port)
@@ -434,6 +446,43 @@ class FakeAPIServer:
             return n
         return self._call(run)
 
+    def stall(self, seconds: float | None = None) -> int:
+        """A stuck server: open watches go silent for good; requests arriving in the next
+        `seconds` (or until unstall()) are accepted and never answered. Returns how many
+        watches were open."""
+        def run() -> int:
+            self._stall_until = float("inf") if seconds is None else time.monotonic() + seconds
+            for w in self._watchers:
+                w.stalled = True
+            return len(self._watchers)
+        return self._call(run)
+
+    def unstall(self) -> None:
+        """End a stall now: new requests are served (stalled watches stay dead)."""
+        self._stall_until = None
+
+    @property
+    def stalling(self) -> bool:
+        return self._stall_until is not None and time.monotonic() < self._stall_until
+
+    async def _hang(self, request: web.Request) -> web.StreamResponse:
+        """Hold an accepted request without answering until its client gives up."""
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.05)
+        return web.Response(status=504)   # never reaches the client
+
+    async def _probe_handler(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(RequestRecord(request.path.lstrip("/"), "get", dict(request.query),
+                                           request.headers.get("Authorization", ""), time.time()))
+        if self.stalling:
+            return await self._hang(request)
+        if request.path == "/version":
+            return web.json_response({"major": "1", "minor": "30", "gitVersion": "v1.30.0-fake"})
+        return web.Response(text="ok")
+
+    def probes(self, path: str = "/readyz") -> list[RequestRecord]:
+        return [r for r in list(self.requests) if r.resource == path.lstrip("/")]
+
     def forbid(self, resource: str, verbs: Iterable[str] = ("list", "watch")) -> None:
         """Answer 403 Forbidden for these verbs on the resource (RBAC missing)."""
         name = self._resource(resource).name
@@ -485,6 +534,8 @@ class FakeAPIServer:
             verb = "watch" if watching else "list"
             self.requests.append(RequestRecord(res.name, verb, dict(q),
                                                request.headers.get("Authorization", ""), time.time()))
+            if self.stalling:
+                return await self._hang(request)
             if self.token and request.headers.get("Authorization", "") != f"Bearer {self.token}" \
                     and request.headers.get("Authorization", "") != f"bearer {self.token}":
                 return web.json_response(_status(401, "Unauthorized", "Unauthorized"), status=401)
@@ -581,13 +632,17 @@ class FakeAPIServer:
         deadline = None if timeout is None else time.monotonic() + timeout
         next_bookmark = (time.monotonic() + self.bookmark_interval
                          if self.bookmark_interval and w.bookmarks else None)
+        # As the watch cache: one BOOKMARK 2 s before the deadline, if that is still ahead.
+        pre_deadline = (deadline - 2.0 if deadline is not None and w.bookmarks and self.deadline_bookmarks
+                        and deadline - 2.0 > time.monotonic() else None)
         try:
             while True:
                 if request.transport is None or request.transport.is_closing():
                     break   # the client went away
                 now = time.monotonic()
                 # Wake up now and then to notice a client that went away.
-                wait = [0.25] + ([] if w.stalled else [t - now for t in (deadline, next_bookmark) if t is not None])
+                wait = [0.25] + ([] if w.stalled else
+                                 [t - now for t in (deadline, next_bookmark, pre_deadline) if t is not None])
                 try:
                     item = await asyncio.wait_for(w.queue.get(), max(0.0, min(wait)))
                 except asyncio.TimeoutError:
@@ -596,7 +651,10 @@ class FakeAPIServer:
                     now = time.monotonic()
                     if deadline is not None and now >= deadline:
                         return resp   # normal end: final chunk, stream closed
-                    if next_bookmark is not None and now >= next_bookmark:
+                    if pre_deadline is not None and now >= pre_deadline:
+                        pre_deadline = None
+                        await self._send(resp, self._bookmark_event(res))
+                    elif next_bookmark is not None and now >= next_bookmark:
                         await self._send(resp, self._bookmark_event(res))
                         next_bookmark = now + (self.bookmark_interval or 0)
                     continue

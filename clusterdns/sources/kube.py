@@ -25,7 +25,7 @@ from ..errors import UsageError
 from ..model import KINDS
 from ..state import StateStore
 from .reflector import (
-    ENDPOINTSLICES, NAMESPACES, NODES, PODS, SERVICES, ApiError, EventBatcher, Forbidden,
+    ENDPOINTSLICES, NAMESPACES, NODES, PODS, SERVICES, ApiError, ApiHealth, EventBatcher, Forbidden,
     Options, Reflector, Resource, Transport, convert_items, forbidden_hint, list_objects,
 )
 
@@ -133,12 +133,18 @@ class KubeSource:
         self.resources = resources_for(cfg)
         self.synced = asyncio.Event()
         self.reflectors: dict[str, Reflector] = {}
+        self.health: ApiHealth | None = None
         self._conf, self._loader = _run_sync(_load_configuration(cfg.kubeconfig))
         self._started = False
 
     @property
     def host(self) -> str:
         return str(self._conf.host)
+
+    @property
+    def api_ok(self) -> bool:
+        """False while the liveness probe declares the API server unreachable (for /ready)."""
+        return self.health is None or not self.health.down
 
     def not_synced(self) -> list[str]:
         """Resources whose first list has not completed yet."""
@@ -147,8 +153,12 @@ class KubeSource:
 
     async def run(self) -> None:
         transport = _transport(self._conf)
+        # The probe has its own client, so its connection is never one a watch holds.
+        probe_transport = _transport(self._conf)
+        self.health = ApiHealth(probe_transport, self.options)
         batcher = EventBatcher(self.store, self.options.batch_window)
-        self.reflectors = {r.name: Reflector(transport, r, batcher, self.options) for r in self.resources}
+        self.reflectors = {r.name: Reflector(transport, r, batcher, self.options, self.health)
+                           for r in self.resources}
         watched = {r.kind for r in self.resources}
         unwatched = [k for k in KINDS if k not in watched]
         if unwatched:
@@ -156,6 +166,7 @@ class KubeSource:
         log.info("watching %s at %s", ", ".join(r.name for r in self.resources), self.host)
         tasks = [asyncio.create_task(ref.run(), name=f"reflector-{name}")
                  for name, ref in self.reflectors.items()]
+        tasks.append(asyncio.create_task(self.health.run(), name="kube-probe"))
         tasks.append(asyncio.create_task(self._wait_synced(), name="kube-synced"))
         tasks.append(asyncio.create_task(_token_refresher(self._loader, self._conf), name="kube-token"))
         try:
@@ -166,6 +177,7 @@ class KubeSource:
             await asyncio.gather(*tasks, return_exceptions=True)
             batcher.flush()
             await transport.close()
+            await probe_transport.close()
 
     async def _wait_synced(self) -> None:
         await asyncio.gather(*(ref.synced.wait() for ref in self.reflectors.values()))

@@ -46,6 +46,17 @@ errors_total = Counter(
 synced_gauge = Gauge(
     "clusterdns_kube_synced", "1 once the first LIST of a resource completed.", ["resource"],
     registry=metrics.REGISTRY)
+api_up = Gauge(
+    "clusterdns_kube_api_up",
+    "1 while the API server answers the liveness probe, 0 while it is declared unreachable.",
+    registry=metrics.REGISTRY)
+api_outages_total = Counter(
+    "clusterdns_kube_api_outages_total",
+    "Times the API server was declared unreachable, by cause (timeout: accepts but does not answer; "
+    "connection: cannot connect).", ["reason"], registry=metrics.REGISTRY)
+api_probes_total = Counter(
+    "clusterdns_kube_api_probes_total", "Liveness probes of the API server, by result.", ["result"],
+    registry=metrics.REGISTRY)
 event_lag = Histogram(
     "clusterdns_kube_watch_event_apply_seconds",
     "Time from reading a watch event to its publication in the state.", ["resource"],
@@ -76,21 +87,42 @@ PODS = Resource("pods", "Pod", "/api/v1/pods")
 NODES = Resource("nodes", "Node", "/api/v1/nodes")
 
 
+# kube-apiserver's watch cache sends a BOOKMARK about once a minute and 2 s
+# before the watch's timeoutSeconds; these bound a healthy watch's silence.
+SERVER_BOOKMARK_PERIOD = 60.0
+SERVER_BOOKMARK_LEAD = 2.0
+
+
 @dataclass(frozen=True)
 class Options:
     """Timeouts and pacing; tests shorten them."""
-    watch_timeout: int = 300            # server-side timeoutSeconds of a watch
-    read_timeout: float | None = None   # client read timeout; default watch_timeout + 30
+    watch_timeout: int = 15             # server-side timeoutSeconds of a watch (before jitter)
+    watch_jitter: float = 0.3           # each watch asks for watch_timeout * (1 .. 1 + jitter)
+    read_timeout: float | None = None   # client read timeout; default: expected bookmark gap + grace
+    read_grace: float = 5.0             # slack over the expected bookmark gap
     connect_timeout: float = 10.0
     list_timeout: float = 60.0          # a whole LIST page
     page_size: int = 500
     backoff_initial: float = 0.8        # client-go's values
     backoff_max: float = 30.0
     batch_window: float = 0.002         # watch events closer than this publish as one version
+    probe_path: str = "/readyz"         # the liveness probe (APF-exempt, no auth needed)
+    probe_interval: float = 5.0         # between probes while the API answers
+    probe_retry: float = 1.0            # between probes while it does not
+    probe_timeout: float = 3.0
+    probe_failures: int = 2             # consecutive failed probes that declare it unreachable
+
+    def read_timeout_for(self, timeout_seconds: float) -> float:
+        """The longest silence a healthy watch asking for timeout_seconds has, plus grace:
+        the server's next BOOKMARK (or its end of the stream) is due by then."""
+        if self.read_timeout is not None:
+            return self.read_timeout
+        gap = min(SERVER_BOOKMARK_PERIOD, max(timeout_seconds - SERVER_BOOKMARK_LEAD, 0.0))
+        return gap + self.read_grace
 
     @property
     def effective_read_timeout(self) -> float:
-        return self.read_timeout if self.read_timeout is not None else self.watch_timeout + 30.0
+        return self.read_timeout_for(self.watch_timeout * (1 + self.watch_jitter))
 
 
 class ApiError(Exception):
@@ -108,6 +140,10 @@ class Expired(ApiError):
 
 class Forbidden(ApiError):
     """403: RBAC does not allow the verb on the resource."""
+
+
+class Unreachable(Exception):
+    """The liveness probe declared the API server unreachable while a request was open."""
 
 
 class Transport:
@@ -192,6 +228,158 @@ class Backoff:
         delay = self._next * (0.5 + self._rand())
         self._next = min(self._next * 2, self.maximum)
         return min(delay, self.maximum)
+
+
+class ApiHealth:
+    """A liveness probe of the API server on its own connection, deciding when to retry.
+
+    While the server answers, GET probe_path every probe_interval; any HTTP
+    answer counts (a 401, 403 or 500 still proves the server is there). After
+    probe_failures failed probes in a row (no answer within probe_timeout, or
+    no connection) the server is declared unreachable: open requests are
+    interrupted (a stuck server would otherwise hold them until their read
+    timeouts) and reflectors wait. Meanwhile a probe starts every probe_retry,
+    without waiting for the previous one, and the first answer lets every
+    reflector re-watch at once.
+    """
+
+    def __init__(self, transport: Transport, opts: Options) -> None:
+        self.transport = transport
+        self.opts = opts
+        self.down = False
+        self.down_since = 0.0
+        self.reason = ""
+        self._failures = 0
+        self._seq = 0
+        self._answered_seq = 0     # newest probe that got an answer
+        self._wake = asyncio.Event()
+        self._down_evt = asyncio.Event()
+        self._up_evt = asyncio.Event()
+        self._up_evt.set()
+        self._probes: set[asyncio.Task] = set()
+        api_up.set(1)
+
+    @property
+    def host(self) -> str:
+        return self.transport.host
+
+    def suspect(self) -> None:
+        """A request failed in a way the probe should check now (connection trouble)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._start_probe()
+                if self.down:
+                    await asyncio.sleep(self.opts.probe_retry)
+                    continue
+                self._wake.clear()
+                delay = self.opts.probe_retry if self._failures else self.opts.probe_interval
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except TimeoutError:
+                    pass
+        finally:
+            for t in self._probes:
+                t.cancel()
+            await asyncio.gather(*self._probes, return_exceptions=True)
+
+    def _start_probe(self) -> None:
+        # Bounded: a stuck server holds at most probe_timeout / probe_retry + 1 probes.
+        if len(self._probes) > self.opts.probe_timeout / max(self.opts.probe_retry, 0.01) + 1:
+            return
+        self._seq += 1
+        task = asyncio.ensure_future(self._probe(self._seq))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, seq: int) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.opts.probe_timeout, connect=self.opts.probe_timeout)
+        try:
+            resp = await self.transport.get(self.opts.probe_path, {}, timeout)
+            try:
+                await resp.read()
+            finally:
+                resp.release()
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            self._failed(seq, "timeout")
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            # ValueError: aiohttp's parser on a garbled answer; a broken server is not "there".
+            self._failed(seq, "connection", exc)
+        else:
+            self._answered(seq)
+
+    def _answered(self, seq: int) -> None:
+        api_probes_total.labels("ok").inc()
+        self._answered_seq = max(self._answered_seq, seq)
+        self._failures = 0
+        if not self.down:
+            return
+        self.down = False
+        api_up.set(1)
+        log.warning("API server %s answers again after %.1fs; resuming the watches",
+                    self.host, time.monotonic() - self.down_since)
+        self._down_evt.clear()
+        self._up_evt.set()
+
+    def _failed(self, seq: int, reason: str, exc: BaseException | None = None) -> None:
+        api_probes_total.labels(reason).inc()
+        if seq < self._answered_seq:
+            return      # an old probe timing out after a newer one got an answer
+        self._failures += 1
+        self._wake.set()
+        if self.down or self._failures < self.opts.probe_failures:
+            return
+        self.down, self.down_since, self.reason = True, time.monotonic(), reason
+        api_up.set(0)
+        api_outages_total.labels(reason).inc()
+        what = (f"accepts connections but did not answer {self.opts.probe_path} within "
+                f"{self.opts.probe_timeout:g}s" if reason == "timeout" else f"cannot be reached ({exc})")
+        log.warning("API server %s %s (%d probes in a row): serving the last state, "
+                    "watching again when it answers", self.host, what, self._failures)
+        self._up_evt.clear()
+        self._down_evt.set()
+
+    async def wait_down(self) -> None:
+        await self._down_evt.wait()
+
+    async def pause(self, delay: float) -> None:
+        """Wait before retrying after connection trouble: the backoff delay, but while the
+        server is unreachable until it answers again (at most backoff_max)."""
+        end = time.monotonic() + delay
+        while not self.down:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._down_evt.wait(), remaining)
+            except TimeoutError:
+                return
+        try:
+            await asyncio.wait_for(self._up_evt.wait(), self.opts.backoff_max)
+        except TimeoutError:
+            pass    # try anyway: the probe's path may be what is broken
+
+    async def guard(self, coro: Any) -> Any:
+        """Run a request, interrupting it when the server is declared unreachable."""
+        if self.down:
+            coro.close()
+            raise Unreachable(self.reason)
+        task = asyncio.ensure_future(coro)
+        down = asyncio.ensure_future(self._down_evt.wait())
+        try:
+            await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise Unreachable(self.reason)
+        return task.result()
 
 
 class EventBatcher:
@@ -295,15 +483,22 @@ def convert_items(res: Resource, items: list[dict]) -> list:
     return records
 
 
+# Failures the liveness probe should look into: the server may be gone or stuck.
+CONNECTION_TROUBLE = frozenset({"connection", "disconnected", "timeout", "unreachable"})
+
+
 class Reflector:
     """List+watch of one resource into the store, until cancelled."""
 
     def __init__(self, transport: Transport, res: Resource, batcher: EventBatcher,
-                 opts: Options = Options()) -> None:
+                 opts: Options = Options(), health: ApiHealth | None = None,
+                 rand: Callable[[], float] = random.random) -> None:
         self.transport = transport
         self.res = res
         self.batcher = batcher
         self.opts = opts
+        self.health = health
+        self._rand = rand
         self.synced = asyncio.Event()
         self.resource_version = ""
         self.backoff = Backoff(opts.backoff_initial, opts.backoff_max)
@@ -312,6 +507,7 @@ class Reflector:
         self._reported_at = 0.0
         self._expired_streak = 0
         self._r = res.name
+        self._read_timeout = opts.effective_read_timeout
         synced_gauge.labels(self._r).set(0)
 
     async def run(self) -> None:
@@ -319,14 +515,17 @@ class Reflector:
         reason = "initial"
         while True:
             delay = 0.0
+            trouble = False
             try:
+                if self.health is not None and self.health.down:
+                    await self.health.pause(0.0)     # until the server answers again
                 if need_list:
-                    await self.list()
+                    await self._request(self.list())
                     if reason != "initial":
                         relists_total.labels(self._r, reason).inc()
                     need_list = False
                     self.backoff.reset()
-                if await self.watch():
+                if await self._request(self.watch()):
                     continue
                 # A watch that ended at once with nothing in it: do not spin.
                 delay = self.backoff.next()
@@ -342,18 +541,31 @@ class Reflector:
                 self.last_error = "expired"
             except Exception as exc:
                 delay = self.backoff.next()
-                self._report(exc, "list" if need_list else "watch", delay)
-            if delay:
+                trouble = self._report(exc, "list" if need_list else "watch", delay) in CONNECTION_TROUBLE
+            if trouble and self.health is not None:
+                # The probe decides: back off as usual while the server answers it,
+                # or wait for its first answer while it does not.
+                self.health.suspect()
+                await self.health.pause(delay)
+            elif delay:
                 await asyncio.sleep(delay)
 
-    def _report(self, exc: Exception, verb: str, delay: float) -> None:
-        if isinstance(exc, Forbidden):
+    async def _request(self, coro: Any) -> Any:
+        return await (self.health.guard(coro) if self.health is not None else coro)
+
+    def _report(self, exc: Exception, verb: str, delay: float) -> str:
+        """Log and count a failure; returns its kind (the errors_total reason)."""
+        retry = f"retrying in {delay:.1f}s"
+        if isinstance(exc, Unreachable):
+            kind, text = "unreachable", f"{verb} interrupted: the API server does not answer"
+            retry = "retrying when it answers"
+        elif isinstance(exc, Forbidden):
             kind, text = "forbidden", f"{forbidden_hint(self.res, verb)} ({exc})"
         elif isinstance(exc, ApiError):
             kind = f"http_{exc.status}" if exc.status else "protocol"
             text = f"{verb} failed: {exc}"
         elif isinstance(exc, asyncio.TimeoutError):
-            kind, text = "timeout", f"{verb}: no data for {self.opts.effective_read_timeout:g}s"
+            kind, text = "timeout", f"{verb}: no data for {self._read_timeout:g}s"
         elif isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
             kind, text = "disconnected", f"{verb} stream broken: {exc or type(exc).__name__}"
         elif isinstance(exc, (aiohttp.ClientError, OSError)):
@@ -367,15 +579,17 @@ class Reflector:
         self.last_error = kind
         level = logging.ERROR if kind == "forbidden" else logging.WARNING
         # A broken stream is routine (the watch resumes where it was): say it quietly.
-        if kind in ("disconnected", "timeout"):
+        # An unreachable server is reported once, by the probe.
+        if kind in ("disconnected", "timeout", "unreachable"):
             level = logging.INFO
         # The same trouble again is repeated at its level once a minute, not per retry.
         now = time.monotonic()
         if text != self._reported or now - self._reported_at >= 60.0:
-            log.log(level, "%s: %s; retrying in %.1fs", self._r, text, delay)
+            log.log(level, "%s: %s; %s", self._r, text, retry)
             self._reported, self._reported_at = text, now
         else:
-            log.debug("%s: %s; retrying in %.1fs", self._r, text, delay)
+            log.debug("%s: %s; %s", self._r, text, retry)
+        return kind
 
     async def list(self) -> None:
         items, rv = await list_objects(self.transport, self.res, self.opts)
@@ -396,14 +610,17 @@ class Reflector:
 
     async def watch(self) -> bool:
         """One watch request; True if it was worth it (events came, or it lasted)."""
+        # Jittered, so that agents that re-watched together (after an outage) drift apart.
+        seconds = int(self.opts.watch_timeout * (1 + self.opts.watch_jitter * self._rand()))
+        self._read_timeout = self.opts.read_timeout_for(seconds)
         params = {"watch": "true", "allowWatchBookmarks": "true",
-                  "timeoutSeconds": str(int(self.opts.watch_timeout)),
+                  "timeoutSeconds": str(seconds),
                   "resourceVersion": self.resource_version}
         if self.res.field_selector:
             params["fieldSelector"] = self.res.field_selector
         timeout = aiohttp.ClientTimeout(total=None, connect=self.opts.connect_timeout,
                                         sock_connect=self.opts.connect_timeout,
-                                        sock_read=self.opts.effective_read_timeout)
+                                        sock_read=self._read_timeout)
         started = time.monotonic()
         resp = await self.transport.get(self.res.path, params, timeout)
         await _raise_for_status(resp)
@@ -469,6 +686,6 @@ class Reflector:
             self.resource_version = str(rv)
 
 
-__all__ = ["ApiError", "Backoff", "ENDPOINTSLICES", "EventBatcher", "Expired", "Forbidden",
+__all__ = ["ApiError", "ApiHealth", "Backoff", "ENDPOINTSLICES", "EventBatcher", "Expired", "Forbidden",
            "NAMESPACES", "NODES", "Options", "PODS", "Reflector", "Resource", "SERVICES",
-           "Transport", "convert_items", "forbidden_hint", "list_objects", "object_key"]
+           "Transport", "Unreachable", "convert_items", "forbidden_hint", "list_objects", "object_key"]

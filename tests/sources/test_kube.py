@@ -17,7 +17,7 @@ from clusterdns.sources.kube import KubeSource, list_once
 from clusterdns.state import StateStore
 from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, node, pod, service
 
-FAST = dict(watch_timeout=5, backoff_initial=0.02, backoff_max=0.2)
+FAST = dict(watch_timeout=5, watch_jitter=0, backoff_initial=0.02, backoff_max=0.2)
 
 
 def sample(name: str, **labels: str) -> float:
@@ -464,3 +464,186 @@ async def test_event_batcher_groups_what_arrives_together_and_delays_little():
     batcher.delete("Service", ("ns", "s1"))
     batcher.replace("Service", recs[2:3])         # pending events go first, then the list
     assert set(store.current.services) == {("ns", "s2")}
+
+
+# -- a silent API server -------------------------------------------------------
+
+PROBE_FAST = {"probe_interval": 0.2, "probe_retry": 0.1, "probe_timeout": 0.3}
+
+
+def test_watch_read_timeout_follows_the_bookmarks_the_server_sends():
+    from clusterdns.sources.reflector import Options
+    opts = Options()
+    # kube-apiserver's watch cache sends a BOOKMARK 2 s before timeoutSeconds and at
+    # least once a minute: the read timeout is that gap plus grace, well within 30 s.
+    assert opts.read_timeout_for(15) == 13 + opts.read_grace
+    assert opts.read_timeout_for(300) == 60 + opts.read_grace
+    assert opts.effective_read_timeout < 30
+    assert Options(read_timeout=2.5).read_timeout_for(300) == 2.5
+
+
+async def test_watches_ask_for_jittered_timeouts_and_end_before_the_read_timeout(api, kubeconfig):
+    store = StateStore()
+    timeouts = sample("clusterdns_kube_errors_total", resource="services", reason="timeout")
+    async with running(config(kubeconfig), store, watch_timeout=2, watch_jitter=1.0) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: len(api.requests_for("services", "watch")) >= 4, timeout=15,
+                         what="renewed watches")
+    asked = [int(r.params["timeoutSeconds"]) for r in api.requests_for("services", "watch")]
+    assert all(2 <= t <= 4 for t in asked), asked
+    # Each watch was ended by the server, none cut by our read timeout.
+    assert sample("clusterdns_kube_errors_total", resource="services", reason="timeout") == timeouts
+    assert len(api.requests_for("services", "list")) == 1
+
+
+async def test_stuck_server_is_noticed_by_the_probe_and_watches_resume_from_their_version(api, kubeconfig):
+    store = StateStore()
+    outages = sample("clusterdns_kube_api_outages_total", reason="timeout")
+    # Read timeouts far beyond the test: only the probe can notice the stall.
+    async with running(config(kubeconfig), store, read_timeout=60, **PROBE_FAST) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches() == 3, what="watches")
+        await eventually(lambda: len(api.probes()) >= 2, what="probes while healthy")
+        assert src.api_ok and sample("clusterdns_kube_api_up") == 1
+        rv = src.reflectors["services"].resource_version
+        served = store.current
+        await call(api.stall)
+        await eventually(lambda: not src.api_ok, timeout=3, what="stall declared")
+        assert sample("clusterdns_kube_api_up") == 0
+        assert sample("clusterdns_kube_api_outages_total", reason="timeout") == outages + 1
+        await asyncio.sleep(0.5)
+        assert store.current is served          # nothing published while stuck
+        watches = len(api.requests_for("services", "watch"))
+        await call(api.add, service("testapp", "after-stall", "10.0.0.4"))
+        api.unstall()
+        await eventually(lambda: "after-stall" in names(store), timeout=3, what="resume after the stall")
+        assert src.api_ok and sample("clusterdns_kube_api_up") == 1
+        resumed = api.requests_for("services", "watch")[watches:]
+        assert resumed and resumed[-1].params["resourceVersion"] == rv
+    assert sample("clusterdns_kube_errors_total", resource="services", reason="unreachable") >= 1
+    assert len(api.requests_for("services", "list")) == 1     # re-watched, not re-listed
+
+
+async def test_outage_ends_when_the_probe_gets_an_answer_not_after_the_backoff(api, kubeconfig):
+    store = StateStore()
+    outages = sample("clusterdns_kube_api_outages_total", reason="connection")
+    # A long backoff: only the probe can bring the watches back quickly.
+    async with running(config(kubeconfig), store, backoff_initial=20, backoff_max=20, **PROBE_FAST) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await eventually(lambda: api.open_watches() == 3, what="watches")
+        await call(api.stop)
+        await eventually(lambda: not src.api_ok, timeout=3, what="outage declared")
+        assert sample("clusterdns_kube_api_outages_total", reason="connection") == outages + 1
+        await asyncio.sleep(0.5)
+        await call(api.start)
+        await call(api.add, service("testapp", "back", "10.0.0.5"))
+        await eventually(lambda: "back" in names(store), timeout=3, what="change after the outage")
+        assert src.api_ok
+    assert len(api.requests_for("services", "list")) == 1
+
+
+async def test_any_http_answer_counts_as_alive(api, kubeconfig):
+    store = StateStore()
+    async with running(config(kubeconfig), store, probe_path="/no-such-path", **PROBE_FAST) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+        await asyncio.sleep(1.0)      # ~5 probes, each a 404
+        assert src.api_ok
+
+
+# -- the agent, with the source's own defaults, through DNS and /ready ------------
+
+@contextlib.asynccontextmanager
+async def agent_on(kubeconfig: str):
+    import aiohttp
+
+    from clusterdns.agent import Agent
+    cfg = load(["agent", "--kubeconfig", kubeconfig, "--proxy-mode", "none", "--no-upstream",
+                "--listen", "127.0.0.1:0", "--health-listen", "127.0.0.1:0", "--metrics-listen", "none"],
+               env={})
+    agent = Agent(cfg)
+    await agent.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def ready() -> tuple[int, str]:
+                async with http.get(f"http://127.0.0.1:{agent.health.bound[0][1]}/ready") as r:
+                    return r.status, await r.text()
+            agent.ready = ready
+            yield agent
+    finally:
+        await agent.stop()
+
+
+async def resolve(agent, name: str) -> tuple[str, list[str]]:
+    import dns.asyncquery
+    import dns.message
+    import dns.rcode
+    q = dns.message.make_query(f"{name}.testapp.svc.cluster.local.", "A")
+    r = await dns.asyncquery.udp(q, "127.0.0.1", port=agent.dns.bound[0][1], timeout=2)
+    return dns.rcode.to_text(r.rcode()), sorted(rd.to_text() for rrset in r.answer for rd in rrset)
+
+
+async def until_true(pred, timeout: float, what: str) -> float:
+    """Seconds until the async predicate held (AssertionError after timeout)."""
+    start = time.monotonic()
+    while not await pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_ends(api, kubeconfig):
+    outages = sample("clusterdns_kube_api_outages_total", reason="timeout")
+    async with agent_on(kubeconfig) as agent:
+        await until_true(lambda: _is_ready(agent), 10, "/ready")
+        assert await resolve(agent, "a") == ("NOERROR", ["10.0.0.1"])
+        lists = len(api.requests_for("services", "list"))
+        version = agent.store.current.version
+        stall_end = time.monotonic() + 20
+        await call(api.stall, 20)
+        # Meanwhile: the last state answers, /ready names the trouble, the gauge shows it.
+        stalled_seen = False
+        while time.monotonic() < stall_end - 0.3:
+            assert await resolve(agent, "a") == ("NOERROR", ["10.0.0.1"])
+            assert await resolve(agent, "b") == ("NOERROR", ["10.0.0.2"])
+            status, text = await agent.ready()
+            if status == 503:
+                assert "kube API not answering" in text, text
+                assert sample("clusterdns_kube_api_up") == 0
+                stalled_seen = True
+            await asyncio.sleep(0.5)
+        assert stalled_seen, "/ready never reported the stalled API server"
+        assert sample("clusterdns_kube_api_outages_total", reason="timeout") == outages + 1
+        assert agent.store.current.version == version     # nothing published while stuck
+        while api.stalling:
+            await asyncio.sleep(0.01)
+        await call(api.add, service("testapp", "after", "10.0.0.9"))
+        took = await until_true(lambda: _resolves(agent, "after", "10.0.0.9"), 15, "the change in DNS")
+        await until_true(lambda: _is_ready(agent), 5, "/ready again")
+        assert sample("clusterdns_kube_api_up") == 1
+    # Resumed from the last versions: no re-list.
+    assert len(api.requests_for("services", "list")) == lists
+    print(f"change made at the end of a 20 s stall answered after {took:.2f}s")
+
+
+async def test_agent_serves_a_change_made_when_the_api_returns_within_3s(api, kubeconfig):
+    async with agent_on(kubeconfig) as agent:
+        await until_true(lambda: _is_ready(agent), 10, "/ready")
+        await call(api.stop)
+        await asyncio.sleep(15)
+        assert await resolve(agent, "a") == ("NOERROR", ["10.0.0.1"])
+        status, text = await agent.ready()
+        assert status == 503 and "kube API not answering" in text, text
+        await call(api.start)
+        await call(api.add, service("testapp", "returned", "10.0.0.10"))
+        took = await until_true(lambda: _resolves(agent, "returned", "10.0.0.10"), 3, "the change in DNS")
+        await until_true(lambda: _is_ready(agent), 3, "/ready again")
+    print(f"change made when the API returned after 15 s answered after {took:.2f}s")
+
+
+async def _is_ready(agent) -> bool:
+    return (await agent.ready())[0] == 200
+
+
+async def _resolves(agent, name: str, ip: str) -> bool:
+    return await resolve(agent, name) == ("NOERROR", [ip])
