@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -305,9 +306,10 @@ def _validate(cfg: Config) -> Config:
     return replace(cfg, zones=zones, fallthrough=fall)
 
 
-def load(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Config:
+def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Parse argv into a validated Config; raises ConfigError (SystemExit for --help)."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)

@@ -10,8 +10,15 @@ import json
 from typing import Any
 
 from .model import (
-    CLUSTER_IP, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Namespace, Node,
-    Service, ServicePort,
+    CLUSTER_IP,
+    NODE_PORT,
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    Namespace,
+    Node,
+    Service,
+    ServicePort,
 )
 
 SERVICE_BASE = int(ipaddress.ip_address("10.96.0.0"))

@@ -13,8 +13,8 @@ import signal
 import sys
 
 from ..agent import Agent
-from ..errors import UsageError
 from ..config import Config
+from ..errors import UsageError
 from ..localdns import LocalDNSError
 
 log = logging.getLogger("clusterdns.agent")

@@ -10,8 +10,8 @@ import asyncio
 import logging
 import signal
 
-from ..errors import UsageError
 from ..config import Config
+from ..errors import UsageError
 from ..health import HealthServer
 from ..sources import loader
 from ..state import StateStore
@@ -50,8 +50,8 @@ async def serve(cfg: Config) -> int:
     await asyncio.wait([waiter, source_task], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if source_task.done() and not stopping.is_set():
-        exc = None if source_task.cancelled() else source_task.exception()
-        log.error("state source stopped: %s", exc or "ended")
+        error = None if source_task.cancelled() else source_task.exception()
+        log.error("state source stopped: %s", error or "ended")
         code = 1
     else:
         if cfg.lameduck > 0:

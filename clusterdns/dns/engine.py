@@ -22,12 +22,39 @@ from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 from ..config import Config
 from ..state import ClusterState
 from . import names, resolvconf, xfr
-from .names import Labels
-from .cache import cache_key
 from .cache import _with_ttl as records_with_ttl
-from .wire import (AA, AAAA, AXFR, BADVERS, EMPTY, FORMERR, IXFR, MAX_TCP, NOERROR, NOTIMP, NXDOMAIN, OPT_TYPE, QR,
-                   REFUSED, SERVFAIL, TC, A, Body, Entry, opt_record, pack_body, qname_labels, question_end, render,
-                   rotations, ttl_offsets, udp_limit, with_ttl)
+from .cache import cache_key
+from .names import Labels
+from .wire import (
+    AA,
+    AAAA,
+    AXFR,
+    BADVERS,
+    EMPTY,
+    FORMERR,
+    IXFR,
+    MAX_TCP,
+    NOERROR,
+    NOTIMP,
+    NXDOMAIN,
+    OPT_TYPE,
+    QR,
+    REFUSED,
+    SERVFAIL,
+    TC,
+    A,
+    Body,
+    Entry,
+    opt_record,
+    pack_body,
+    qname_labels,
+    question_end,
+    render,
+    rotations,
+    ttl_offsets,
+    udp_limit,
+    with_ttl,
+)
 from .zone import Answer, ZoneView
 from .zone import label as zone_label
 

@@ -13,11 +13,11 @@ from typing import Iterable
 
 import dnslib
 from prometheus_client import Counter, Histogram
-from prometheus_client.utils import floatToGoString
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .. import __version__ as VERSION
-from ..metrics import DNS as REGISTRY   # CoreDNS's series: served on --metrics-listen
+from ..metrics import DNS as REGISTRY  # CoreDNS's series: served on --metrics-listen
 
 # CoreDNS: prometheus.ExponentialBuckets(0.00025, 2, 16) for request durations.
 DURATION_BUCKETS = tuple(0.00025 * 2 ** i for i in range(16))

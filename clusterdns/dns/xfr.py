@@ -15,7 +15,7 @@ from dnslib import SRV as RD_SRV
 from dnslib.label import DNSBuffer
 
 from .names import Labels
-from .wire import A, AAAA, CNAME, SRV, Body, pack_body
+from .wire import AAAA, CNAME, SRV, A, Body, pack_body
 from .zone import ZoneView, label
 
 MESSAGE_BUDGET = 32_000     # bytes of records per message before compression

@@ -17,14 +17,18 @@ from dnslib import AAAA as RD_AAAA
 from dnslib import CNAME as RD_CNAME
 from dnslib import NS as RD_NS
 from dnslib import PTR as RD_PTR
-from dnslib import RR, RD, SOA as RD_SOA, SRV as RD_SRV, TXT as RD_TXT, A as RD_A, DNSLabel
+from dnslib import RD, RR, DNSLabel
+from dnslib import SOA as RD_SOA
+from dnslib import SRV as RD_SRV
+from dnslib import TXT as RD_TXT
+from dnslib import A as RD_A
 
 from ..config import Config
 from ..model import EXTERNAL_NAME, IPV4, IPV6, EndpointSlice, Service
 from ..state import ClusterState
 from . import names
 from .names import Labels, Selector
-from .wire import (A, AAAA, ANY, CNAME, NOERROR, NS, NXDOMAIN, PTR, SERVFAIL, SOA, SRV, TXT)
+from .wire import AAAA, ANY, CNAME, NOERROR, NS, NXDOMAIN, PTR, SERVFAIL, SOA, SRV, TXT, A
 
 SCHEMA_VERSION = "1.1.0"
 VERSION_TTL = 28800

@@ -109,7 +109,7 @@ class ServiceHealthServers:
         return respond
 
     async def sync(self, wanted: Mapping[tuple[str, str], tuple[int, int]]) -> None:
-        by_port = {}
+        by_port: dict[int, tuple[tuple[str, str], int]] = {}
         for key, (port, count) in sorted(wanted.items()):
             if port in by_port:
                 log.warning("healthCheckNodePort %d claimed by %s/%s and %s/%s", port, *by_port[port][0], *key)
@@ -173,7 +173,7 @@ class ProxierHealth:
         if path not in ("/healthz", "/livez"):
             return 404, {"Content-Type": "text/plain"}, b"404 page not found\n"
         now = self.clock()
-        body = {"lastUpdated": _rfc3339(self.last_updated), "currentTime": _rfc3339(now)}
+        body: dict[str, object] = {"lastUpdated": _rfc3339(self.last_updated), "currentTime": _rfc3339(now)}
         if path == "/healthz":
             body["nodeEligible"] = True
         headers = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}

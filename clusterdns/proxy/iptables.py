@@ -21,7 +21,14 @@ from ..state import ClusterState
 from . import iptsave
 from . import names as n
 from .servicemap import (
-    Categorized, EndpointInfo, NodeInfo, ServicePortInfo, cache, gc_paused, localhost_nodeports, node_info,
+    Categorized,
+    EndpointInfo,
+    NodeInfo,
+    ServicePortInfo,
+    cache,
+    gc_paused,
+    localhost_nodeports,
+    node_info,
     service_ports,
 )
 

@@ -24,13 +24,19 @@ from typing import Callable, Iterable, TextIO
 from prometheus_client import Counter, Gauge, Histogram
 
 from ..config import Config
-from ..metrics import PROXY as REGISTRY   # kube-proxy's series: served on --proxy-metrics-listen
+from ..metrics import PROXY as REGISTRY  # kube-proxy's series: served on --proxy-metrics-listen
 from ..state import ClusterState, Delta, StateStore
-from .apply import (
-    ApplyError, CommandRunner, IptablesExecutor, IpvsExecutor, NftExecutor, Result,
-    SubprocessRunner, parse_save,
-)
 from . import iptsave
+from .apply import (
+    ApplyError,
+    CommandRunner,
+    IptablesExecutor,
+    IpvsExecutor,
+    NftExecutor,
+    Result,
+    SubprocessRunner,
+    parse_save,
+)
 from .conntrack import ConntrackCleaner, stale_flows
 from .healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
 from .runner import BoundedFrequencyRunner

@@ -25,8 +25,22 @@ from ..errors import UsageError
 from ..model import KINDS
 from ..state import StateStore
 from .reflector import (
-    ENDPOINTSLICES, NAMESPACES, NODES, PODS, SERVICES, ApiError, ApiHealth, EventBatcher, Forbidden,
-    Options, Reflector, Resource, Transport, convert_items, forbidden_hint, list_objects,
+    ENDPOINTSLICES,
+    NAMESPACES,
+    NODES,
+    PODS,
+    SERVICES,
+    ApiError,
+    ApiHealth,
+    EventBatcher,
+    Forbidden,
+    Options,
+    Reflector,
+    Resource,
+    Transport,
+    convert_items,
+    forbidden_hint,
+    list_objects,
 )
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,22 @@ from datetime import datetime
 from typing import Any, Callable
 
 from ..model import (
-    CLUSTER_IP, EXTERNAL_NAME, FQDN, IPV4, IPV6, LOAD_BALANCER,
-    PROTOCOLS, SERVICE_TYPES, Endpoint, EndpointPort, EndpointSlice, Namespace,
-    Node, Pod, Service, ServicePort,
+    CLUSTER_IP,
+    EXTERNAL_NAME,
+    FQDN,
+    IPV4,
+    IPV6,
+    LOAD_BALANCER,
+    PROTOCOLS,
+    SERVICE_TYPES,
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    Namespace,
+    Node,
+    Pod,
+    Service,
+    ServicePort,
 )
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

@@ -382,8 +382,8 @@ def test_servfail_until_synced(h, demo_records):
 
 
 def test_a_new_service_resolves_at_once(h, demo_records):
-    from clusterdns.state import StateStore
     from clusterdns.sources.manifest import publish
+    from clusterdns.state import StateStore
     store = StateStore()
     publish(store, demo_records)
     engine = h.make_engine(store.current)
@@ -1042,6 +1042,7 @@ def _mutate(wire: bytes, changes) -> bytearray:
 def test_fast_path_cost(h):
     """Printed figure (noisy shared machine); the bound only catches a gross regression."""
     import timeit
+
     from clusterdns.synthetic import synthetic_records
     engine = h.make_engine(h.make_state(synthetic_records(2000, 3)))
     out = []

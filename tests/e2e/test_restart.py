@@ -30,7 +30,6 @@ from clusterdns.proxy.apply import SubprocessRunner
 from clusterdns.synthetic import to_manifest
 from tests.nslib import requires, sh
 
-
 pytestmark = [pytest.mark.root, requires("iptables-nft-restore", "conntrack")]
 
 ENDPOINTS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")

@@ -9,8 +9,21 @@ about a 1-in-60,000 event.
 import pytest
 
 from tests.integration.harness import (
-    DNS_IP, DRAINING, EMPTY, EXT_IPS, EXTERNAL_IP, HAIRPIN, ITP_LOCAL, ITP_NONE_LOCAL, LB_IP, LOCAL_SVC,
-    NODE_IP, NP_CLUSTER, NP_LOCAL, PART_DRAINING, WEB,
+    DNS_IP,
+    DRAINING,
+    EMPTY,
+    EXT_IPS,
+    EXTERNAL_IP,
+    HAIRPIN,
+    ITP_LOCAL,
+    ITP_NONE_LOCAL,
+    LB_IP,
+    LOCAL_SVC,
+    NODE_IP,
+    NP_CLUSTER,
+    NP_LOCAL,
+    PART_DRAINING,
+    WEB,
 )
 
 ALL = frozenset({"pod0", "pod1", "pod2"})

@@ -4,7 +4,18 @@ import time
 import pytest
 
 from tests.integration.harness import (
-    DNS_IP, EMPTY, EXTERNAL_IP, HCNP, LATE, NODE_IP, NODE_POD_GW, NP_CLUSTER, PODS, STICKY, WEB, manifest,
+    DNS_IP,
+    EMPTY,
+    EXTERNAL_IP,
+    HCNP,
+    LATE,
+    NODE_IP,
+    NODE_POD_GW,
+    NP_CLUSTER,
+    PODS,
+    STICKY,
+    WEB,
+    manifest,
 )
 from tests.nslib import sh, write_manifest
 

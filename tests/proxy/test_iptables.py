@@ -11,7 +11,14 @@ import pytest
 
 from clusterdns.config import Config
 from clusterdns.model import (
-    LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Node, Service, ServicePort,
+    LOAD_BALANCER,
+    NODE_PORT,
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    Node,
+    Service,
+    ServicePort,
 )
 from clusterdns.proxy import iptables
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files

@@ -12,7 +12,13 @@ import pytest
 
 from clusterdns.config import Config
 from clusterdns.model import (
-    LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Service, ServicePort,
+    LOAD_BALANCER,
+    NODE_PORT,
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    Service,
+    ServicePort,
 )
 from clusterdns.proxy import nftables
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files

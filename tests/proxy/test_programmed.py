@@ -7,7 +7,13 @@ import pytest
 
 from clusterdns.config import Config
 from clusterdns.model import (
-    LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Service, ServicePort,
+    LOAD_BALANCER,
+    NODE_PORT,
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    Service,
+    ServicePort,
 )
 from clusterdns.proxy import iptables, iptsave, ipvs
 from clusterdns.proxy.apply import RecordingRunner, Result, SubprocessRunner

@@ -196,6 +196,7 @@ def test_service_port_info_sets_every_field():
 
 def test_layered_mapping_behaves_as_a_dict_copy():
     import random
+
     from clusterdns.proxy.nftables import _Layered
     rnd = random.Random(7)
     ref: dict = {f"k{i}": i for i in range(300)}

@@ -441,9 +441,9 @@ def test_in_cluster_config(tmp_path, monkeypatch):
 
 
 async def test_event_batcher_groups_what_arrives_together_and_delays_little():
+    from clusterdns.sources.objects import convert
     from clusterdns.sources.reflector import EventBatcher
     from tests.fakeapi import service as svc_dict
-    from clusterdns.sources.objects import convert
     store = StateStore()
     batcher = EventBatcher(store, window=0.002, max_pending=50)
     recs = [convert("Service", svc_dict("ns", f"s{i}", f"10.0.4.{i + 1}")) for i in range(120)]

@@ -5,7 +5,11 @@ import pytest
 
 from clusterdns import metrics
 from clusterdns.sources.manifest import (
-    DEMO_MANIFEST, ManifestError, ManifestSource, load_files, read_documents,
+    DEMO_MANIFEST,
+    ManifestError,
+    ManifestSource,
+    load_files,
+    read_documents,
 )
 from clusterdns.state import StateStore
 
