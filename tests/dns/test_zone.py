@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -114,22 +113,17 @@ def test_exposure():
     assert view.reverse("10.0.0.1") and not view.reverse("10.0.0.3")
 
 
-def test_update_time_at_10000_services():
-    """Engine.update at synthetic_records(10000, 10): printed figures (noisy shared machine);
-    the bounds only catch a complexity regression."""
-    from clusterdns.dns.engine import Engine
+def test_one_slice_change_recompiles_only_its_service():
+    """An update after one EndpointSlice changed compiles that Service again and reuses every
+    other Service's compiled data (bench/dns/zone_update.py times it at 10,000 Services)."""
+    cfg = Config()
     store = StateStore()
-    publish(store, synthetic_records(10000, 10))
-    engine = Engine(Config())
-    t0 = time.perf_counter()
-    engine.update(store.current)
-    full = time.perf_counter() - t0
+    publish(store, synthetic_records(200, 10))
+    before = ZoneView(cfg, store.current)
     sl = store.current.slices[("ns-5", "svc-5-abcde")]
     store.upsert("EndpointSlice", replace(sl, endpoints=sl.endpoints[:5]))
-    t0 = time.perf_counter()
-    engine.update(store.current)
-    incremental = time.perf_counter() - t0
-    print(f"\nEngine.update at 10,000 services x 10 endpoints: first {full * 1000:.0f} ms, "
-          f"after one EndpointSlice changed {incremental * 1000:.0f} ms")
-    assert incremental < full
-    assert incremental < 1.0
+    after = ZoneView(cfg, store.current, before)
+    assert after.services.keys() == before.services.keys() and len(before.services) == 200
+    recompiled = {k for k in before.services if after.services[k] is not before.services[k]}
+    assert recompiled == {sl.service_key}
+    assert snapshot(after) == snapshot(ZoneView(cfg, store.current))

@@ -154,11 +154,14 @@ def test_dual_stack_service_over_ipv6(proxy, cluster, src):
     assert out4.names == READY and not out4.errors
 
 
-def test_zz_cleanup_restores_the_tables(proxy, cluster):
-    """Runs last in each mode: stop, clean up, compare with the tables before the proxy."""
+def test_cleanup_restores_the_tables(proxy, cluster):
+    """Stop, clean up, compare with the tables before the proxy; then start it again, so the
+    module's other tests find it running whatever order they run in."""
     proxy.stop()
-    assert proxy.proc.returncode == 0, proxy.logs()   # SIGTERM is a clean exit
-    res = proxy.cleanup()
-    assert res.returncode == 0, res.stderr
-    assert cluster.save_rules() == proxy.rules_before
-
+    try:
+        assert proxy.proc.returncode == 0, proxy.logs()   # SIGTERM is a clean exit
+        res = proxy.cleanup()
+        assert res.returncode == 0, res.stderr
+        assert cluster.save_rules() == proxy.rules_before
+    finally:
+        proxy.start()
