@@ -16,6 +16,11 @@ Rules, in chains clusterdns owns and jumped to first:
   untracked packets never have; the ACCEPT keeps that true for any firewall.)
 The rules are re-checked periodically and after each proxier sync (which may
 insert its own jumps above ours), and removed by `cleanup()`.
+
+Failures are counted in NodeLocal DNSCache's coredns_nodecache_setup_errors_total
+{errortype}: interface_add (the device or an address could not be set up),
+interface_check (the device could not be read), iptables, iptables_lock (the
+xtables lock stayed held past `-w 5`).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import ipaddress
 import logging
 from typing import Iterable
 
+from .dns.metrics import nodecache_setup_errors
 from .proxy.apply import ApplyError, CommandRunner, IptablesExecutor, Result, SubprocessRunner
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,12 @@ JUMPS = (("raw", "PREROUTING", NOTRACK_CHAIN), ("raw", "OUTPUT", NOTRACK_CHAIN),
 
 class LocalDNSError(RuntimeError):
     """The device, an address or the rules could not be set up."""
+
+
+def _setup_error(errortype: str, message: str) -> None:
+    if errortype == "iptables" and "xtables lock" in message:
+        errortype = "iptables_lock"
+    nodecache_setup_errors.labels(errortype).inc()
 
 
 def split_families(ips: Iterable[str]) -> dict[int, list[str]]:
@@ -91,6 +103,13 @@ class LocalDNS:
 
     # -- device and addresses
     async def ensure_device(self) -> None:
+        try:
+            await self._ensure_device()
+        except LocalDNSError as exc:
+            _setup_error("interface_add", str(exc))
+            raise
+
+    async def _ensure_device(self) -> None:
         res = await self._run("ip", "-d", "-o", "link", "show", "dev", DEVICE, check=False)
         if res.returncode != 0:
             res = await self._run("ip", "link", "add", DEVICE, "type", "dummy", check=False)
@@ -112,6 +131,9 @@ class LocalDNS:
     async def addresses_present(self) -> bool:
         res = await self._run("ip", "-o", "addr", "show", "dev", DEVICE, check=False)
         if res.returncode != 0:
+            err = (res.stderr or res.stdout).strip()
+            if "does not exist" not in err and "Cannot find device" not in err:
+                _setup_error("interface_check", err)
             return False
         have = set()
         for line in res.stdout.splitlines():
@@ -152,12 +174,13 @@ class LocalDNS:
         await self._ipt[family].detect_backend()
         try:
             await self._ipt[family].restore(render_rules(self.families[family], family, self.port))
-        except ApplyError as exc:
+            for table, chain, target in JUMPS:
+                await self._delete_jumps(family, table, chain, target)
+                await self._run(self._tool(family), "-w", "5", "-t", table, "-I", chain, "1",
+                                "-m", "comment", "--comment", COMMENT, "-j", target)
+        except (ApplyError, LocalDNSError) as exc:
+            _setup_error("iptables", str(exc))
             raise LocalDNSError(str(exc)) from None
-        for table, chain, target in JUMPS:
-            await self._delete_jumps(family, table, chain, target)
-            await self._run(self._tool(family), "-w", "5", "-t", table, "-I", chain, "1",
-                            "-m", "comment", "--comment", COMMENT, "-j", target)
 
     async def _delete_jumps(self, family: int, table: str, chain: str, target: str) -> None:
         for _ in range(32):  # bounded: a rule we cannot delete must not spin forever

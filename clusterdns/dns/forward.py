@@ -161,9 +161,11 @@ class Forward:
         if self.cache is not None:
             hit = self.cache.get(key, request)
             if hit is not None:
+                metrics.answered_by("cache")     # coredns_dns_responses_total{plugin}
                 return hit
         if self._inflight >= self.max_concurrent:
             metrics.forward_rejects.inc()
+            metrics.answered_by("forward")
             reply = request.reply()
             reply.header.ra, reply.header.rcode = 1, dnslib.RCODE.REFUSED
             return reply
@@ -176,8 +178,10 @@ class Forward:
             if self.cache is not None:
                 stale = self.cache.get(key, request, stale=True)
                 if stale is not None:
+                    metrics.answered_by("cache")
                     return stale
             return None
+        metrics.answered_by("forward")
         if self.cache is not None:
             self.cache.put(key, reply, wire)
         reply.header.id = request.header.id

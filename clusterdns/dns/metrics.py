@@ -1,13 +1,30 @@
 """DNS metrics under CoreDNS's names, so its dashboards and alerts apply.
 
-Per-query counting is on the hot path, so the server keeps plain dicts and
-integers in a ServerStats per listener, and a custom collector turns them into
-metric families only when /metrics is scraped. The forwarder and the cache are
-off the hot path and use ordinary prometheus-client metrics.
+Per-query counting is on the hot path, so the server keeps plain dicts in a
+ServerStats per listener and calls one method per query (`fast_udp` on the
+UDP fast path, `record` elsewhere); a custom collector turns them into metric
+families only when /metrics is scraped. Every query is counted and timed:
+coredns_dns_request_duration_seconds_count equals coredns_dns_requests_total.
+
+Which part answered (the `plugin` label of coredns_dns_responses_total, as
+CoreDNS names the plugin that wrote the reply):
+- a prebuilt answer of the served zones (AA set, RA clear) -> "kubernetes";
+- on the fast path, anything else is a forwarded answer from the cache -> "cache";
+- in resolve(), the forwarder marks its answers `answered_by("cache")` or
+  `answered_by("forward")`; an unmarked reply that is not a zone answer was
+  written by the server itself (FORMERR, NOTIMP, REFUSED, SERVFAIL) -> "".
+The answer of an upstream that sets AA without RA (an authoritative-only
+server used as upstream) counts as "kubernetes".
+
+The cache and the forwarder are off the hot path and use ordinary
+prometheus-client metrics; the cache's are exported with the server/zones/view
+labels CoreDNS gives them.
 """
 from __future__ import annotations
 
+import contextvars
 import weakref
+from bisect import bisect_left
 from time import perf_counter
 from typing import Iterable
 
@@ -21,6 +38,7 @@ from ..metrics import DNS as REGISTRY  # CoreDNS's series: served on --metrics-l
 
 # CoreDNS: prometheus.ExponentialBuckets(0.00025, 2, 16) for request durations.
 DURATION_BUCKETS = tuple(0.00025 * 2 ** i for i in range(16))
+_B0 = DURATION_BUCKETS[0]
 SIZE_BUCKETS = (0, 100, 200, 300, 400, 511, 1023, 2047, 4095, 8291, 16e3, 32e3, 48e3, 64e3)
 # Types CoreDNS labels by name; everything else is "other" (bounded cardinality).
 MONITORED_TYPES = {int(getattr(dnslib.QTYPE, t)): t for t in (
@@ -29,98 +47,164 @@ MONITORED_TYPES = {int(getattr(dnslib.QTYPE, t)): t for t in (
 RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED",
           6: "YXDOMAIN", 7: "YXRRSET", 8: "NXRRSET", 9: "NOTAUTH", 10: "NOTZONE"}
 RAW_LIMIT = 4096  # distinct per-query keys kept before folding
-SAMPLE = 32       # one UDP fast-path answer in SAMPLE is timed
 ZONE = "."   # the one server block: every query enters the "." chain
+
+# The `part` of a raw key: how to name the plugin that answered (zone answers aside).
+FAST, SLOW, CACHE, FORWARD, SERVER = 0, 1, 2, 3, 4
+_PARTS = {"cache": CACHE, "forward": FORWARD}
+_PART_NAMES = ("cache", "", "cache", "forward", "")
+_answered: contextvars.ContextVar[int] = contextvars.ContextVar("clusterdns_answered_by", default=SLOW)
+
+
+def answered_by(part: str) -> None:
+    """The forwarder's mark on the query being resolved (its task's context): "cache" or "forward"."""
+    _answered.set(_PARTS[part])
+
+
+def begin_resolve() -> None:
+    """Called by the server at the start of a resolve() task: no mark yet."""
+    _answered.set(SLOW)
 
 
 class ServerStats:
     """Counters of one listener (`server` label `dns://HOST:PORT`), updated per query.
 
-    Per query the hot path does one dict update keyed on bytes read straight
-    from the two packets (see `count`); the scrape folds those into the
-    exported families. Durations: every TCP query and every query answered
-    through resolve() is timed; of the UDP fast-path answers (a synchronous
-    call of a few microseconds) one in SAMPLE is timed and weighted SAMPLE,
-    so the histogram's count and sum are estimates for that part.
+    Per query: one dict update keyed on bytes read straight from the two
+    packets and the duration's bucket; the value holds the count and the sum
+    of durations. The scrape folds those into the exported families.
     """
 
-    __slots__ = ("server", "family", "udp", "tcp", "durations", "duration_sum", "requests", "responses",
-                 "request_sizes", "response_sizes", "__weakref__")
+    __slots__ = ("server", "family", "plugins", "udp", "tcp", "requests", "do_requests", "durations",
+                 "duration_sum", "responses", "request_sizes", "response_sizes", "__weakref__")
 
-    def __init__(self, server: str, family: int) -> None:
+    def __init__(self, server: str, family: int, plugins: Iterable[str] = ()) -> None:
         self.server, self.family = server, family
-        # (qtype high byte, low byte, reply flags byte 2, byte 3, request size, reply size) -> n;
-        # the flag bytes are -1 for a dropped query. Cleared in place by fold().
-        self.udp: dict[tuple[int, int, int, int, int, int], int] = {}
-        self.tcp: dict[tuple[int, int, int, int, int, int], int] = {}
-        self.durations: dict[int, list[float]] = {}       # qtype -> weighted counts per bucket (+Inf last)
-        self.duration_sum: dict[int, float] = {}
+        self.plugins = tuple(plugins)          # coredns_plugin_enabled
+        # (qtype hi, lo, reply flags byte 2, byte 3, request size, reply size, duration bucket, DO, part)
+        # -> [n, seconds]; the flag bytes are -1 for a dropped query. Cleared in place by fold().
+        self.udp: dict[tuple, list] = {}
+        self.tcp: dict[tuple, list] = {}
         # folded totals
         self.requests: dict[tuple[bool, int], int] = {}       # (tcp, qtype) -> n
-        self.responses: dict[tuple[int, bool], int] = {}      # (rcode, AA) -> n
+        self.do_requests = 0
+        self.durations: dict[int, list[int]] = {}             # qtype -> count per bucket (+Inf last)
+        self.duration_sum: dict[int, float] = {}
+        self.responses: dict[tuple[int, str], int] = {}       # (rcode, plugin) -> n
         self.request_sizes: dict[tuple[bool, int], int] = {}
         self.response_sizes: dict[tuple[bool, int], int] = {}
 
-    def count(self, table: dict, data: bytes, reply: bytes | None) -> None:
-        """Count one query without timing it (the server inlines the same steps on its UDP fast path)."""
+    def fast_udp(self, data: bytes, reply: bytes, started: float) -> None:
+        """A UDP query answered by the engine's fast path; `started`: perf_counter() on arrival."""
+        elapsed = perf_counter() - started
+        i = data.find(0, 12)
+        try:
+            key = (data[i + 1], data[i + 2], reply[2], reply[3], len(data), len(reply),
+                   0 if elapsed <= _B0 else bisect_left(DURATION_BUCKETS, elapsed),
+                   data[i + 12] >> 7 if data[11] == 1 and data[i + 7] == 41 else 0, FAST)
+        except IndexError:
+            key = self._odd_key(data, reply, elapsed, FAST)
+        v = self.udp.get(key)
+        if v is None:
+            self._new_key(self.udp, key, elapsed)
+        else:
+            v[0] += 1
+            v[1] += elapsed
+
+    def record(self, data: bytes, reply: bytes | None, tcp: bool, started: float, part: int = SLOW) -> None:
+        """Count one query and its reply (None: dropped), timed from `started` (perf_counter()).
+
+        `part`: FAST for an answer of engine.fast(), SLOW for one of resolve()
+        (then the forwarder's mark in this task's context says who answered),
+        SERVER for a reply the server wrote itself (SERVFAIL after a panic)."""
+        elapsed = perf_counter() - started
+        if part == SLOW:
+            part = _answered.get()
         i = data.find(0, 12)
         try:
             if reply is not None and len(reply) > 3:
-                key = (data[i + 1], data[i + 2], reply[2], reply[3], len(data), len(reply))
+                f2, f3, rsize = reply[2], reply[3], len(reply)
             else:
-                key = (data[i + 1], data[i + 2], -1, -1, len(data), 0)
+                f2, f3, rsize = -1, -1, 0
+            key = (data[i + 1], data[i + 2], f2, f3, len(data), rsize,
+                   0 if elapsed <= _B0 else bisect_left(DURATION_BUCKETS, elapsed),
+                   data[i + 12] >> 7 if data[11] == 1 and data[i + 7] == 41 else 0, part)
         except IndexError:
-            key = (255, 255, -1, -1, len(data), 0) if reply is None else (255, 255, reply[2], reply[3], len(data), len(reply))
-        n = table.get(key)
-        if n is None:
-            self.new_key(table, key)
+            key = self._odd_key(data, reply, elapsed, part)
+        table = self.tcp if tcp else self.udp
+        v = table.get(key)
+        if v is None:
+            self._new_key(table, key, elapsed)
         else:
-            table[key] = n + 1
+            v[0] += 1
+            v[1] += elapsed
 
-    def new_key(self, table: dict, key: tuple) -> None:
+    @staticmethod
+    def _odd_key(data: bytes, reply: bytes | None, elapsed: float, part: int) -> tuple:
+        """A query whose question could not be delimited: type "other", no DO."""
+        b = 0 if elapsed <= _B0 else bisect_left(DURATION_BUCKETS, elapsed)
+        if reply is None or len(reply) < 4:
+            return (255, 255, -1, -1, len(data), 0, b, 0, part)
+        return (255, 255, reply[2], reply[3], len(data), len(reply), b, 0, part)
+
+    def _new_key(self, table: dict, key: tuple, elapsed: float) -> None:
         # Fold now and then so odd traffic (random types and sizes) cannot grow
         # the table between scrapes, or when nobody scrapes.
         if len(table) >= RAW_LIMIT:
             self.fold()
-        table[key] = table.get(key, 0) + 1
-
-    def record(self, data: bytes, reply: bytes | None, tcp: bool, started: float, weight: int = 1) -> None:
-        """Count one query and its reply (None: dropped), timed from `started`."""
-        elapsed = perf_counter() - started
-        self.count(self.tcp if tcp else self.udp, data, reply)
-        i = data.find(0, 12)
-        qtype = data[i + 1] << 8 | data[i + 2] if 0 < i < len(data) - 2 else -1
-        self.observe(qtype, elapsed, weight)
-
-    def observe(self, qtype: int, elapsed: float, weight: int = 1) -> None:
-        qtype = qtype if qtype in MONITORED_TYPES else -1
-        counts = self.durations.get(qtype)
-        if counts is None:
-            counts = self.durations[qtype] = [0.0] * (len(DURATION_BUCKETS) + 1)
-        self.duration_sum[qtype] = self.duration_sum.get(qtype, 0.0) + elapsed * weight
-        for n, bound in enumerate(DURATION_BUCKETS):
-            if elapsed <= bound:
-                counts[n] += weight
-                return
-        counts[-1] += weight
+        v = table.get(key)
+        if v is None:
+            table[key] = [1, elapsed]
+        else:
+            v[0] += 1
+            v[1] += elapsed
 
     def fold(self) -> None:
         """Move the raw per-query counts into the totals (at scrape, or when a table is full)."""
+        nbuckets = len(DURATION_BUCKETS) + 1
         for tcp, table in ((False, self.udp), (True, self.tcp)):
-            raw = dict(table)
+            raw = list(table.items())
             table.clear()           # in place: the server holds a reference to the table
-            for (hi, lo, f2, f3, qsize, rsize), n in raw.items():
+            for (hi, lo, f2, f3, qsize, rsize, bucket, do, part), (n, seconds) in raw:
                 qtype = hi << 8 | lo
                 qtype = qtype if qtype in MONITORED_TYPES else -1     # "other": bounded totals
                 k = (tcp, qtype)
                 self.requests[k] = self.requests.get(k, 0) + n
+                if do:
+                    self.do_requests += n
+                counts = self.durations.get(qtype)
+                if counts is None:
+                    counts = self.durations[qtype] = [0] * nbuckets
+                counts[bucket] += n
+                self.duration_sum[qtype] = self.duration_sum.get(qtype, 0.0) + seconds
                 k = (tcp, qsize)
                 self.request_sizes[k] = self.request_sizes.get(k, 0) + n
                 if f2 >= 0:
-                    k = (f3 & 15, bool(f2 & 4))
-                    self.responses[k] = self.responses.get(k, 0) + n
+                    r = (f3 & 15, _plugin(f2, f3, part))
+                    self.responses[r] = self.responses.get(r, 0) + n
                     k = (tcp, rsize)
                     self.response_sizes[k] = self.response_sizes.get(k, 0) + n
+
+
+def _plugin(f2: int, f3: int, part: int) -> str:
+    if f2 & 4 and not f3 & 0x80:     # AA without RA: an answer of the served zones
+        return "kubernetes"          # (also an ExternalName's CNAME + the upstream's records)
+    return _PART_NAMES[part]
+
+
+def plugins_for(cfg, forwarder) -> tuple[str, ...]:
+    """The CoreDNS plugins whose job this configuration does (coredns_plugin_enabled)."""
+    names = ["errors", "health", "ready", "kubernetes", "prometheus", "loadbalance"]
+    if forwarder is not None:
+        names += ["forward", "loop"]
+        if getattr(forwarder, "cache", None) is not None:
+            names.append("cache")
+    if getattr(cfg, "autopath", False):
+        names.append("autopath")
+    if getattr(cfg, "transfer", False):
+        names.append("transfer")
+    if getattr(cfg, "config_file", ""):
+        names.append("reload")
+    return tuple(sorted(names))
 
 
 _servers: "weakref.WeakSet[ServerStats]" = weakref.WeakSet()
@@ -145,7 +229,7 @@ def _type_name(qtype: int) -> str:
     return MONITORED_TYPES.get(qtype, "other")
 
 
-def _cumulative(counts: list[float], buckets: Iterable[float]) -> list[tuple[str, float]]:
+def _cumulative(counts: list, buckets: Iterable[float]) -> list[tuple[str, float]]:
     """Per-bucket counts (the last one above every bound) as Prometheus cumulative buckets."""
     out, total = [], 0.0
     for bound, n in zip(buckets, counts):
@@ -169,8 +253,27 @@ def _size_histogram(sizes: dict[int, int]) -> tuple[list[float], float]:
     return counts, total
 
 
+def _relabel(family, name: str, drop: str, documentation: str):
+    """A copy of a labelled family under another name without one label (samples summed)."""
+    kind = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}[family.type]
+    out = kind(name, documentation, labels=None)
+    merged: dict[tuple, float] = {}
+    order: list[tuple] = []
+    for s in family.samples:
+        labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != drop))
+        key = (s.name[len(family.name):], labels)
+        if key not in merged:
+            order.append(key)
+        merged[key] = merged.get(key, 0.0) + s.value
+    for suffix, labels in order:
+        if suffix == "_created":
+            continue
+        out.add_sample(name + suffix, dict(labels), merged[(suffix, labels)])
+    return out
+
+
 class DnsCollector:
-    """Exports every live ServerStats and cache at scrape time."""
+    """Exports every live ServerStats, the caches and the forward_* aliases at scrape time."""
 
     def describe(self):
         return []
@@ -178,6 +281,8 @@ class DnsCollector:
     def collect(self):
         requests = CounterMetricFamily("coredns_dns_requests", "Counter of DNS requests made per zone, protocol and family.",
                                        labels=["server", "zone", "view", "proto", "family", "type"])
+        do_requests = CounterMetricFamily("coredns_dns_do_requests", "Counter of DNS requests with DO bit set per zone.",
+                                          labels=["server", "zone", "view"])
         responses = CounterMetricFamily("coredns_dns_responses", "Counter of response status codes.",
                                         labels=["server", "zone", "view", "rcode", "plugin"])
         duration = HistogramMetricFamily("coredns_dns_request_duration_seconds",
@@ -187,7 +292,10 @@ class DnsCollector:
                                          labels=["server", "zone", "view", "proto"])
         resp_size = HistogramMetricFamily("coredns_dns_response_size_bytes", "Size of the returned response in bytes.",
                                           labels=["server", "zone", "view", "proto"])
-        for s in list(_servers):
+        enabled = GaugeMetricFamily("coredns_plugin_enabled", "A metric that indicates whether a plugin is enabled on per server and zone basis.",
+                                    labels=["server", "zone", "view", "name"])
+        servers = sorted(_servers, key=lambda s: s.server)
+        for s in servers:
             s.fold()
             agg: dict[tuple[str, str], int] = {}
             for (tcp, qtype), n in list(s.requests.items()):
@@ -195,10 +303,10 @@ class DnsCollector:
                 agg[k] = agg.get(k, 0) + n
             for (proto, tname), n in sorted(agg.items()):
                 requests.add_metric([s.server, ZONE, "", proto, str(s.family), tname], n)
+            do_requests.add_metric([s.server, ZONE, ""], s.do_requests)
             ragg: dict[tuple[str, str], int] = {}
-            for (rcode, aa), n in list(s.responses.items()):
-                # AA marks answers from the served zones; forwarded ones carry the upstream's flags.
-                k = (RCODES.get(rcode, str(rcode)), "kubernetes" if aa else "forward")
+            for (rcode, plugin), n in list(s.responses.items()):
+                k = (RCODES.get(rcode, str(rcode)), plugin)
                 ragg[k] = ragg.get(k, 0) + n
             for (rcode, plugin), n in sorted(ragg.items()):
                 responses.add_metric([s.server, ZONE, "", rcode, plugin], n)
@@ -212,7 +320,9 @@ class DnsCollector:
                         counts, total = _size_histogram(sizes)
                         family.add_metric([s.server, ZONE, "", "tcp" if tcp else "udp"],
                                           _cumulative(counts, SIZE_BUCKETS), total)
-        yield from (requests, responses, duration, req_size, resp_size)
+            for name in s.plugins:
+                enabled.add_metric([s.server, ZONE, "", name], 1)
+        yield from (requests, do_requests, responses, duration, req_size, resp_size, enabled)
 
         panics = CounterMetricFamily("coredns_panics", "A metrics that counts the number of panics.")
         panics.add_metric([], _panics[0])
@@ -222,26 +332,53 @@ class DnsCollector:
         build.add_metric([VERSION, "clusterdns", "python"], 1)
         yield build
 
+        yield from self._cache(servers[0].server if servers else "dns://")
+        yield from self._forward()
+
+    @staticmethod
+    def _cache(server: str):
+        """The cache's counters with CoreDNS's labels. One cache serves every listener of the
+        DNS server, so its series carry the first listener's `server` label."""
+        extra = {"server": server, "zones": ZONE, "view": ""}
+        for metric in (cache_requests, cache_hits, cache_misses, cache_served_stale, cache_evictions):
+            for family in metric.collect():
+                out = CounterMetricFamily(family.name, family.documentation, labels=None)
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        out.add_sample(s.name, {**extra, **s.labels}, s.value)
+                yield out
         entries = GaugeMetricFamily("coredns_cache_entries", "The number of elements in the cache.",
                                     labels=["server", "type", "zones", "view"])
         pos = neg = 0
         for c in list(_caches):
             p, n = c.counts()
             pos, neg = pos + p, neg + n
-        entries.add_metric(["dns://", "success", ZONE, ""], pos)
-        entries.add_metric(["dns://", "denial", ZONE, ""], neg)
+        entries.add_metric([server, "success", ZONE, ""], pos)
+        entries.add_metric([server, "denial", ZONE, ""], neg)
         yield entries
+
+    @staticmethod
+    def _forward():
+        # CoreDNS >= 1.11 names these coredns_proxy_*{proxy_name}; the mixins' alerts read the
+        # forward_* names of earlier releases. Both are exported, from one observation.
+        for family in proxy_duration.collect():
+            yield _relabel(family, "coredns_forward_request_duration_seconds", "proxy_name",
+                           "Histogram of the time each request took.")
+        for family in healthcheck_failures.collect():
+            yield _relabel(family, "coredns_forward_healthcheck_failures", "proxy_name",
+                           "Counter of the number of failed healthchecks.")
 
 
 REGISTRY.register(DnsCollector())
 
-# Off the hot path: the cache and the forwarder.
-cache_requests = Counter("coredns_cache_requests", "The count of cache requests.", registry=REGISTRY)
-cache_hits = Counter("coredns_cache_hits", "The count of cache hits.", ["type"], registry=REGISTRY)
-cache_misses = Counter("coredns_cache_misses", "The count of cache misses.", registry=REGISTRY)
+# Off the hot path: the cache and the forwarder. The cache's counters are exported by
+# DnsCollector with the server/zones/view labels (registry=None here).
+cache_requests = Counter("coredns_cache_requests", "The count of cache requests.", registry=None)
+cache_hits = Counter("coredns_cache_hits", "The count of cache hits.", ["type"], registry=None)
+cache_misses = Counter("coredns_cache_misses", "The count of cache misses.", registry=None)
 cache_served_stale = Counter("coredns_cache_served_stale", "The number of requests served from stale cache entries.",
-                             registry=REGISTRY)
-cache_evictions = Counter("coredns_cache_evictions", "The count of cache evictions.", ["type"], registry=REGISTRY)
+                             registry=None)
+cache_evictions = Counter("coredns_cache_evictions", "The count of cache evictions.", ["type"], registry=None)
 
 forward_requests = Counter("coredns_forward_requests", "Counter of requests made per upstream.", ["to"],
                            registry=REGISTRY)
@@ -258,3 +395,12 @@ forward_loops = Counter("clusterdns_forward_loop_detected", "Upstreams disabled 
 forward_rejects = Counter("coredns_forward_max_concurrent_rejects",
                           "Counter of the number of queries rejected because the concurrent queries were at maximum.",
                           registry=REGISTRY)
+
+# NodeLocal DNSCache's setup errors (the agent holds its job: the local addresses and
+# their NOTRACK rules, see localdns.py); every type starts at 0, as node-cache does.
+SETUP_ERROR_TYPES = ("interface_add", "interface_check", "iptables", "iptables_lock", "configmap")
+nodecache_setup_errors = Counter("coredns_nodecache_setup_errors",
+                                 "The number of errors during periodic network setup for node-cache",
+                                 ["errortype"], registry=REGISTRY)
+for _t in SETUP_ERROR_TYPES:
+    nodecache_setup_errors.labels(_t)

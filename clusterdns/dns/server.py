@@ -37,7 +37,6 @@ TCP_MAX_CONNECTIONS = 1024
 TCP_MAX_INFLIGHT = 64      # unanswered queries per TCP connection
 MAX_INFLIGHT = 2000        # resolve() tasks for UDP; beyond, queries are dropped (the client retries)
 SERVFAIL = 2
-SAMPLE = metrics.SAMPLE
 PANIC_LOG_INTERVAL = 1.0   # seconds between logged tracebacks when every query fails
 
 
@@ -132,48 +131,28 @@ class _Udp(asyncio.DatagramProtocol):
         self.service = service
         self.stats = stats
         self.fast = service.engine.fast
-        self.table = stats.udp
+        self.count = stats.fast_udp
         self.record = stats.record
         self.transport: Any = None
-        self.n = 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
-        # The hot path: no task, no parse, no clock; counting is one dict update
-        # (the same steps as ServerStats.count, inlined).
-        n = self.n = self.n + 1
-        if n % SAMPLE:
-            try:
-                reply = self.fast(data, False)
-            except Exception:
-                reply = self.service.panic(data)
+        # The hot path: no task, no parse; every query is counted and timed by one call.
+        started = perf_counter()
+        try:
+            reply = self.fast(data, False)
+        except Exception:
+            reply = self.service.panic(data)
             if reply is not None:
                 self.transport.sendto(reply, addr)
-                i = data.find(0, 12)
-                try:
-                    key = (data[i + 1], data[i + 2], reply[2], reply[3], len(data), len(reply))
-                except IndexError:
-                    key = (255, 255, -1, -1, len(data), 0)
-                table = self.table
-                v = table.get(key)
-                if v is None:
-                    self.stats.new_key(table, key)
-                else:
-                    table[key] = v + 1
-                return
-            started = perf_counter()
-        else:
-            started = perf_counter()
-            try:
-                reply = self.fast(data, False)
-            except Exception:
-                reply = self.service.panic(data)
-            if reply is not None:
-                self.transport.sendto(reply, addr)
-                self.record(data, reply, False, started, SAMPLE)
-                return
+            self.record(data, reply, False, started, metrics.SERVER)
+            return
+        if reply is not None:
+            self.transport.sendto(reply, addr)
+            self.count(data, reply, started)
+            return
         service = self.service
         if len(service.tasks) >= MAX_INFLIGHT:
             self.record(data, None, False, started)
@@ -183,6 +162,7 @@ class _Udp(asyncio.DatagramProtocol):
         task.add_done_callback(service.tasks.discard)
 
     async def resolve(self, data: bytes, addr, started: float) -> None:
+        metrics.begin_resolve()
         reply = await self.service.resolve(data, addr[0], False)
         if isinstance(reply, list):      # a transfer is TCP only; the engine refuses it on UDP
             reply = reply[0] if reply else None
@@ -308,6 +288,7 @@ class DnsService:
                     raise ConnectionError("client stopped reading") from None
 
         async def slow(data: bytes, started: float) -> None:
+            metrics.begin_resolve()
             reply = await self.resolve(data, client_ip, True)
             replies = reply if isinstance(reply, list) else ([] if reply is None else [reply])
             if replies and not writer.is_closing():
@@ -324,13 +305,14 @@ class DnsService:
             except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
                 break
             started = perf_counter()
+            part = metrics.FAST
             try:
                 reply = fast(data, True)
             except Exception:
-                reply = self.panic(data)
+                reply, part = self.panic(data), metrics.SERVER
             if reply is not None:
                 await send([reply])
-                stats.record(data, reply, True, started)
+                stats.record(data, reply, True, started, part)
                 continue
             if len(pending) >= TCP_MAX_INFLIGHT:
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -349,7 +331,8 @@ class DnsService:
             for host, port in self.cfg.listen_addresses():
                 udp, tcp = _bind(host, port, self.reuse_port)
                 real = udp.getsockname()[1]
-                stats = metrics.ServerStats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1)
+                stats = metrics.ServerStats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1,
+                                            metrics.plugins_for(self.cfg, self.forwarder))
                 metrics.register_server(stats)
                 self._stats.append(stats)
                 transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self, stats), sock=udp)

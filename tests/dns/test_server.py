@@ -200,9 +200,11 @@ async def test_metrics_count_requests(double_server):
     assert any(ln.startswith("coredns_dns_requests_total") and 'proto="tcp"' in ln and 'type="SRV"' in ln
                for ln in lines)
     assert any(ln.startswith("coredns_dns_responses_total") and 'rcode="NOERROR"' in ln for ln in lines)
-    # TCP queries are always timed (UDP fast-path answers one in metrics.SAMPLE).
+    # Every query is timed, fast-path answers included.
     assert any(ln.startswith("coredns_dns_request_duration_seconds_count") and 'type="SRV"' in ln
                and ln.endswith(" 1.0") for ln in lines)
+    assert any(ln.startswith("coredns_dns_request_duration_seconds_count") and 'type="AAAA"' in ln
+               and ln.endswith(" 3.0") for ln in lines)
     assert "coredns_build_info" in text and "coredns_panics_total" in text
 
 
