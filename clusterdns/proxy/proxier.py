@@ -125,7 +125,7 @@ class SyncOutcome:
 
 class IptablesBackend:
     mode = "iptables"
-    full_every = "sync_period"   # the issue: a full sync every --sync-period
+    full_every = "sync_period"   # a full sync every --sync-period, as kube-proxy
 
     def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
         self.cfg, self.family, self.applying = cfg, family, applying
