@@ -548,64 +548,87 @@ def nftables_path(state: ClusterState, cfg: Config, svc, family: int, mode: str)
     ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
     if not ports:
         return []
-    text = nft.render(state, cfg, family).text
-    return [_nft_port(text, info, cat) for info, cat in ports]
+    table = nft.build(state, cfg, family)
+    objs = table.owned.get(svc.key)
+    if objs is None:
+        return []
+    return [_nft_port(nft, table, objs, info, cat) for info, cat in ports]
 
 
-def _nft_port(text: str, info, cat) -> dict:
+def _nft_port(nft, table, objs, info, cat) -> dict:
+    """One service port's part of the Service's nftables objects (read from them, not from text)."""
     from .proxy import names
+    fam = "ip6" if table.family == 6 else "ip"
     base = info.nft_base
-    ours = {names.nft_service_chain(base), names.nft_local_chain(base), names.nft_external_chain(base),
-            names.nft_firewall_chain(base)}
-    ep_chain = {names.nft_endpoint_chain(info.nft_endpoint_base(ep)): ep for ep in cat.reachable}
-    ours |= set(ep_chain)
-    elements = [line.strip() for line in text.splitlines()
-                if "element" in line and any(c in line for c in ours)]
-    chains: dict[str, list[str]] = {}
-    current = None
-    for line in text.splitlines():
-        m = re.match(r"\s*(?:add|flush|create)? *chain \S+ \S+ (\S+)", line)
-        if m:
-            current = m.group(1) if m.group(1) in ours else None
-            if current and "{" not in line:
-                chains.setdefault(current, [])
-                current = None
+    svc_chain, local_chain = names.nft_service_chain(base), names.nft_local_chain(base)
+    ours = {svc_chain, local_chain, names.nft_external_chain(base), names.nft_firewall_chain(base)}
+    by_endpoint = {ep.endpoint: ep for ep in cat.reachable}
+    if info.affinity_timeout:
+        ep_chain = {names.nft_endpoint_chain(info.nft_endpoint_base(ep)): ep for ep in cat.reachable}
+        ours |= set(ep_chain)
+    addresses = {info.cluster_ip, *info.external_ips, *info.lb_ips}
+    mine = (f" . {info.protocol} . {info.port_number}", f"{info.protocol} . {info.node_port}")
+    entry = []
+    for set_name, key, text in objs.elements:
+        targets_ours = text.rsplit(" ", 1)[-1] in ours
+        keyed_ours = (key.endswith(mine[0]) and key.split(" . ")[0] in addresses) or \
+            (bool(info.node_port) and key == mine[1])
+        if set_name.startswith(nft.ENDPOINTS_PREFIX) or set_name == nft.HAIRPIN:
             continue
-        m = re.match(r"\s*add rule \S+ \S+ (\S+) (.*)", line)
-        if m and m.group(1) in ours:
-            chains.setdefault(m.group(1), []).append(m.group(2))
-    svc_rules = chains.get(names.nft_service_chain(base), []) + chains.get(names.nft_local_chain(base), [])
+        if targets_ours or (keyed_ours and set_name.startswith("no-endpoint")):
+            entry.append(f"add element {fam} {names.NFT_TABLE} {set_name} {{ {text} }}")
+    chains = {c: list(rules) for c, rules in objs.chains.items() if c in ours}
+    head = (info.namespace, info.service_name, info.port_name, info.protocol)
+    slots = dict(zip(objs.slot_keys, objs.slots))
     dispatch = []
-    for rule in svc_rules:
-        m = re.search(r"numgen random mod (\d+) vmap \{(.*)\}", rule)
-        if not m:
-            continue
-        n = int(m.group(1))
-        for target in re.findall(r"goto (\S+)", m.group(2)):
-            ep = ep_chain.get(target.rstrip(","))
-            dispatch.append({"chain": names.nft_service_chain(base), "target": target.rstrip(","),
-                             "probability": round(1.0 / n, 10), "probability_text": f"1/{n}",
-                             "endpoint": ep.endpoint if ep else None,
-                             "node": ep.node_name if ep else None, "zone": ep.zone if ep else None,
-                             "ready": ep.ready if ep else None})
+    for chain, policy in ((svc_chain, nft.CLUSTER), (local_chain, nft.LOCAL)):
+        slot = slots.get(head + (policy,))
+        if slot is not None:
+            bucket, index = slot
+            map_name = nft.endpoints_map(bucket)
+            lo_slot, hi_slot = index * nft.SLOT, (index + 1) * nft.SLOT - 1
+            for set_name, key, text in objs.elements:
+                if set_name != map_name:
+                    continue
+                lo, hi = (int(x) for x in key.split("-"))
+                if not lo_slot <= lo <= hi_slot:
+                    continue
+                ip, _, port = text.split(" : ", 1)[1].partition(" . ")
+                endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                ep = by_endpoint.get(endpoint)
+                dispatch.append({"chain": chain, "target": f"@{map_name} {key}",
+                                 "probability": round(nft.endpoint_share(key), 10),
+                                 "probability_text": f"{hi - lo + 1}/{nft.SLOT}",
+                                 "endpoint": endpoint, "node": ep.node_name if ep else None,
+                                 "zone": ep.zone if ep else None, "ready": ep.ready if ep else None})
+        elif info.affinity_timeout and chain in chains:
+            endpoints = cat.local if policy == nft.LOCAL else cat.cluster
+            for ep in endpoints:
+                dispatch.append({"chain": chain, "target": names.nft_endpoint_chain(info.nft_endpoint_base(ep)),
+                                 "probability": round(1.0 / len(endpoints), 10),
+                                 "probability_text": f"1/{len(endpoints)}", "endpoint": ep.endpoint,
+                                 "node": ep.node_name, "zone": ep.zone, "ready": ep.ready})
+        if dispatch:
+            break
     masq = [{"chain": c, "when": _nft_masq_reason(r), "rule": r}
             for c, rs in chains.items() for r in rs if "mark-for-masquerade" in r]
+    hairpin = [r for r in table.chains.get(nft.MASQUERADING, ()) if f"@{nft.HAIRPIN}" in r]
+    if hairpin and cat.reachable:
+        masq.append({"chain": nft.MASQUERADING, "rule": hairpin[0],
+                     "when": "hairpin: an endpoint reaching itself through the Service (the @hairpin set)"})
     return {"port": info.name, "protocol": info.protocol, "cluster_ip": info.cluster_ip,
             "port_number": info.port_number, "node_port": info.node_port or None,
-            "entry": elements, "filter": [],
-            "chains": [{"table": "kube-proxy", "name": c, "rules": rs} for c, rs in chains.items()],
+            "entry": entry, "filter": [],
+            "chains": [{"table": names.NFT_TABLE, "name": c, "rules": rs} for c, rs in chains.items()],
             "dispatch": dispatch, "masquerade": masq,
             "endpoints_total": len(cat.all), "endpoints_used": len(cat.reachable),
             "has_endpoints": cat.has_endpoints}
 
 
 def _nft_masq_reason(rule: str) -> str:
-    m = re.search(r"saddr != (\S+)", rule)
-    if m:
-        return f"source outside the cluster CIDR {m.group(1)}"
-    m = re.search(r"saddr (\S+) jump", rule)
-    if m:
-        return f"hairpin: the endpoint {m.group(1)} reaching itself through the Service"
+    words = rule.split()
+    if "!=" in words and words[words.index("!=") - 1] == "saddr":
+        return f"source outside the cluster CIDR {words[words.index('!=') + 1]}"
     if "fib saddr type local" in rule:
         return "traffic from the node itself"
     return "always"

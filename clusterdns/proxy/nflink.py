@@ -56,6 +56,7 @@ NFT_SET_ANONYMOUS, NFT_SET_CONSTANT, NFT_SET_MAP = 0x1, 0x2, 0x8
 NFT_DATA_VERDICT = 0xFFFFFF00
 NFT_TYPE_INTEGER = 4
 NFT_TYPE_IPADDR, NFT_TYPE_IP6ADDR = 7, 8
+NFT_TYPE_INET_SERVICE = 13
 NFT_SET_TIMEOUT, NFT_SET_EVAL = 0x10, 0x20
 NFT_DYNSET_OP_UPDATE = 1
 # set userdata nft writes for an address-keyed named set: key in network byte order
@@ -79,13 +80,36 @@ PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
 # named sets and maps of the layout: key fields and whether elements carry a verdict
 SETS = {
     "service-ips": (("addr", "proto", "port"), True),
-    "no-endpoint-services": (("addr", "proto", "port"), True),
     "firewall-ips": (("addr", "proto", "port"), True),
     "service-nodeports": (("proto", "port"), True),
-    "no-endpoint-nodeports": (("proto", "port"), True),
+    "no-endpoint-reject": (("addr", "proto", "port"), False),
+    "no-endpoint-drop": (("addr", "proto", "port"), False),
+    "no-endpoint-nodeport-reject": (("proto", "port"), False),
+    "no-endpoint-nodeport-drop": (("proto", "port"), False),
+    "hairpin": (("addr", "addr"), False),
     "cluster-ips": (("addr",), False),
     "nodeport-ips": (("addr",), False),
 }
+ENDPOINTS_PREFIX = "endpoints-"
+SLOT = 65536
+NFT_BYTEORDER_HTON = 1
+NFT_REG32_01 = 9
+# the set userdata nft 1.0.6 writes for `typeof numgen random mod 65536 : ip[6] daddr . P dport`
+_ENDPOINTS_UDATA_HEAD = {
+    4: "000401000000010400000000031a0004170000000112000401000000010400000100020400000000043400040d000000012c00"
+       "14000407000000010c00040c00000001040c0000000114000407000000010c",
+    6: "000401000000010400000000031a0004170000000112000401000000010400000100020400000000043400040d000000012c00"
+       "14000407000000010c00040d0000000104090000000114000407000000010c",
+}
+_PROTO_DESC = {"tcp": 0x08, "udp": 0x06, "sctp": 0x0a}   # nft's protocol description numbers
+_ENDPOINTS_DECL = re.compile(r"^\{ typeof numgen random mod 65536 : (ip6?) daddr \. (tcp|udp|sctp) dport ; "
+                             r"flags interval ; \}$")
+_ENDPOINTS_NAME = re.compile(r"^endpoints-(tcp|udp|sctp)-\d+$")
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+
+
+def _endpoints_udata(family: int, proto: str) -> bytes:
+    return bytes.fromhex(_ENDPOINTS_UDATA_HEAD[family] + f"0004{_PROTO_DESC[proto]:02x}000000" + "010402000000060400000000")
 
 
 class NflinkError(Exception):
@@ -187,7 +211,7 @@ class _Batch:
 
 
 _NAME = r"[A-Za-z0-9_./:\-]+"
-_HEAD = re.compile(rf"^(add|flush|delete) (chain|rule|element|set) (ip6?) {TABLE} ({_NAME})(?: (.*))?$")
+_HEAD = re.compile(rf"^(add|flush|delete) (chain|rule|element|set|map) (ip6?) {TABLE} ({_NAME})(?: (.*))?$")
 _AFFINITY_DECL = re.compile(r"^\{ type (ipv4_addr|ipv6_addr) ; flags dynamic,timeout ; timeout (\d+)s ; \}$")
 AFFINITY_PREFIX = "affinity-"
 _ELEMENT = re.compile(r'^\{ (?P<key>[^{}"]+?)(?: comment "(?P<comment>[^"]*)")?(?: : (?P<value>[^{}"]+?))? \}$')
@@ -323,6 +347,29 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
             if i < len(words) and words[i] == "dnat":
                 continue
             l4 = None
+        elif w == "dnat" and rest[1:5] == ["to", "numgen", "random", "mod"]:
+            # `dnat to numgen random mod 65536 [offset O] map @endpoints-P-N`
+            if l4 is None:
+                raise Unsupported("dnat without a protocol match before it")
+            tail = rest[5:]
+            offset = 0
+            if len(tail) == 5 and tail[1] == "offset" and tail[2].isdigit():
+                offset = int(tail[2])
+                tail = tail[:1] + tail[3:]
+            if len(tail) != 3 or tail[0] != str(SLOT) or tail[1] != "map" or not tail[2].startswith("@") \
+                    or not _ENDPOINTS_NAME.match(tail[2][1:]) or offset % SLOT or str(offset) != str(int(offset)):
+                raise Unsupported(f"dnat {' '.join(rest[1:])}")
+            name = tail[2][1:]
+            if name.split("-")[1] != {v: k for k, v in PROTOS.items()}[l4]:
+                raise Unsupported("endpoint map of another protocol")
+            exprs.append(_expr("numgen", _u32(1, NFT_REG_1), _u32(2, SLOT), _u32(3, NFT_NG_RANDOM), _u32(4, offset)))
+            exprs.append(_expr("byteorder", _u32(1, NFT_REG_1), _u32(2, NFT_REG_1), _u32(3, NFT_BYTEORDER_HTON),
+                               _u32(4, 4), _u32(5, 4)))
+            exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _u32(3, NFT_REG_1), _str(1, name),
+                               *_set_ref(batch, name, 4)))
+            exprs.append(_expr("nat", _u32(1, NFT_NAT_DNAT), _u32(2, NFPROTO_IPV6 if family == 6 else NFPROTO_IPV4),
+                               _u32(3, NFT_REG_1), _u32(5, NFT_REG_2 if family == 6 else NFT_REG32_01)))
+            i = len(words)
         elif w == "dnat":
             if l4 is None or len(rest) != 3 or rest[1] != "to":
                 raise Unsupported("dnat without a protocol match before it")
@@ -473,6 +520,24 @@ def _line(batch: _Batch, text: str, index: int) -> None:
             batch.add(DELRULE, 0, hdr + table + _str(2, name), index)
         else:
             batch.add(DELCHAIN, 0, hdr + table + _str(3, name), index)
+    elif obj == "map":
+        em = _ENDPOINTS_NAME.match(name)
+        if not em:
+            raise Unsupported(f"{verb} map {name}")
+        if verb == "delete" and not rest:
+            batch.add(DELSET, 0, hdr + table + _str(2, name), index)
+            return
+        dm = _ENDPOINTS_DECL.match(rest or "")
+        if verb != "add" or not dm or (dm.group(1) == "ip6") != (family == 6) or dm.group(2) != em.group(1):
+            raise Unsupported(f"{verb} map {name} {rest}")
+        set_id = batch.next_set_id
+        batch.next_set_id += 1
+        batch.set_ids[name] = set_id
+        v6 = family == 6
+        batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
+            table, _str(2, name), _u32(3, NFT_SET_INTERVAL | NFT_SET_MAP), _u32(4, NFT_TYPE_INTEGER), _u32(5, 4),
+            _u32(6, (NFT_TYPE_IP6ADDR if v6 else NFT_TYPE_IPADDR) << 6 | NFT_TYPE_INET_SERVICE),
+            _u32(7, 20 if v6 else 8), _u32(10, set_id), _attr(13, _endpoints_udata(family, dm.group(2))))), index)
     elif obj == "set":
         if not name.startswith(AFFINITY_PREFIX):
             raise Unsupported(f"{verb} set {name}")
@@ -494,6 +559,28 @@ def _line(batch: _Batch, text: str, index: int) -> None:
         if verb != "add" or not rest:
             raise Unsupported(f"{verb} rule")
         _rule(batch, family, name, rest, index)
+    elif _ENDPOINTS_NAME.match(name):
+        if verb == "flush" or not rest:
+            raise Unsupported(f"{verb} element on {name}")
+        em = _ELEMENT.match(rest)
+        rm = _RANGE.match(em.group("key")) if em else None
+        if not rm or em.group("comment") is not None:
+            raise Unsupported(f"element {rest[:40]!r}")
+        lo, hi = int(rm.group(1)), int(rm.group(2))
+        if not lo <= hi < 0xFFFFFFFF:
+            raise Unsupported(f"range {lo}-{hi}")
+        start = [_value(1, struct.pack(">I", lo))]
+        if verb == "add":
+            value = em.group("value")
+            parts = value.split(" . ") if value else []
+            if len(parts) != 2:
+                raise Unsupported(f"endpoint {value!r}")
+            start.append(_value(2, _addr(parts[0], family) + struct.pack(">H", _port(parts[1])) + b"\0\0"))
+        elif em.group("value") is not None:
+            raise Unsupported("delete element with data")
+        end = [_u32(3, NFT_SET_ELEM_INTERVAL_END), _value(1, struct.pack(">I", hi + 1))]
+        body = hdr + table + _str(2, name) + _nest(3, _nest(1, *start), _nest(1, *end))
+        batch.add(NEWSETELEM if verb == "add" else DELSETELEM, NLM_F_CREATE if verb == "add" else 0, body, index)
     else:
         if verb == "flush" or name not in SETS or not rest:
             raise Unsupported(f"{verb} element on {name}")
@@ -719,3 +806,68 @@ def _send(link: _Link, batch: _Batch, lines: list[str]) -> None:
 
 
 __all__ = ["NflinkError", "Unsupported", "apply", "close_all", "supported"]
+
+
+# ---------------------------------------------------------------- reading (dumps)
+
+NLM_F_DUMP = 0x300
+GETSET, GETSETELEM = 10, 13
+
+
+def attrs(data: bytes) -> dict[int, list[bytes]]:
+    """Netlink attributes of one level: type (nested flag cleared) -> payloads, in order."""
+    out: dict[int, list[bytes]] = {}
+    pos = 0
+    while pos + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, pos)
+        if length < 4:
+            break
+        out.setdefault(kind & 0x3FFF, []).append(data[pos + 4:pos + length])
+        pos += (length + 3) & ~3
+    return out
+
+
+def _dump_on(link: _Link, kind: int, family: int, body: bytes) -> list[bytes]:
+    seq = link.seq
+    link.seq += 1
+    msg = _message((NFNL_SUBSYS_NFTABLES << 8) | kind, NLM_F_REQUEST | NLM_F_DUMP, seq,
+                   _fam_hdr(_nfproto(family)) + body)
+    try:
+        link.sock.send(msg)
+    except OSError as exc:
+        raise _TransportError(f"netlink send failed: {exc.strerror or exc}", exc.errno or 0) from None
+    out: list[bytes] = []
+    while True:
+        try:
+            reply = link.sock.recv(1 << 20)
+        except socket.timeout:
+            raise _TransportError("no reply from the kernel (netlink dump)") from None
+        except OSError as exc:
+            raise _TransportError(f"netlink receive failed: {exc.strerror or exc}", exc.errno or 0) from None
+        pos = 0
+        while pos + 16 <= len(reply):
+            length, mtype, _flags, rseq, _pid = struct.unpack_from("=IHHII", reply, pos)
+            if length < 16:
+                break
+            if rseq == seq:
+                if mtype == NLMSG_DONE:
+                    return out
+                if mtype == NLMSG_ERROR:
+                    (err,) = struct.unpack_from("=i", reply, pos + 16)
+                    if err:
+                        raise NflinkError(f"nftables dump: {os.strerror(-err)}", -err)
+                    return out
+                out.append(reply[pos + 20:pos + length])   # after nlmsghdr and nfgenmsg
+            pos += (length + 3) & ~3
+
+
+def dump(kind: int, family: int, body: bytes, *, netns: str | None = None) -> list[dict[int, list[bytes]]]:
+    """One nf_tables dump request (GETSET, GETSETELEM, ...): each reply message's attributes."""
+    link = _link(netns)
+    with link.lock:
+        try:
+            msgs = _dump_on(link, kind, family, body)
+        except _TransportError:
+            _forget(netns, link)
+            raise
+    return [attrs(m) for m in msgs]

@@ -1,37 +1,44 @@
-"""nftables mode: the `nft -f` transaction kube-proxy's nftables proxier would run.
+"""nftables mode: one private table whose endpoint choice lives in data maps.
 
-One private table (`ip kube-proxy` or `ip6 kube-proxy`), base chains at
-numeric priorities (nft 1.0.6 rejects named ones on some hooks), verdict
-maps from (address, protocol, port) to per-service chains, `numgen random`
-endpoint choice. `render` is pure: with `previous` (the NftState the last
-applied text left in the kernel) it returns only the changes, as one
-transaction, so a sync never needs to list the kernel table.
+kube-proxy's nftables layout (base chains, `service-ips` verdict map,
+per-service chains, masquerade mark) with one deliberate difference
+(docs/proxy.md): endpoint churn never makes the kernel validate the table.
+An endpoint change rewrites only set and data-map elements, which the kernel
+commits without walking the chains; rules and verdict-map elements (which do
+trigger the walk) change only when a Service itself changes.
 
-Deliberate differences from kube-proxy (docs/proxy.md): a full render
-recreates the whole table in its transaction (kube-proxy lists the kernel to
-find stale chains instead), and chains that are no longer used are deleted in
-the same transaction that removes every reference to them (kube-proxy waits
-a grace period and deletes them in a later one).
+* Endpoint choice: `dnat to numgen random mod 65536 offset O map @endpoints-B`.
+  Each service port and traffic policy owns a slot of 65536 numbers (offset
+  O = slot * 65536) in one of BUCKETS shared interval maps per protocol; its ready endpoints
+  split the slot into even ranges mapping to `address . port`. The maps are
+  shared by the Services whose key hashes to the same bucket because the
+  kernel looks sets up by name in a list: 10,000 maps in one table made a
+  full load quadratic (about 9 s of kernel time at 10,000 Services).
+* Hairpin masquerade: postrouting matches `ct status dnat ip saddr . ip daddr
+  @hairpin` (pairs `endpoint . endpoint`), instead of a rule per endpoint.
+* No endpoints: REJECT and DROP through plain sets (`no-endpoint-reject`,
+  `no-endpoint-drop` and their NodePort twins), not goto elements; a Service's
+  chains and `service-ips` elements stay while it has no endpoints.
+* ClientIP affinity needs per-endpoint state: only those Services keep
+  kube-proxy's `numgen ... vmap` to per-endpoint chains with affinity sets.
+
+`render` is pure given its inputs: with `previous` (the NftState the last
+applied transaction left) it returns only the changes, as one transaction.
+Render caches live in a `RenderCache` the caller owns (the backend).
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from ..config import Config
 from ..state import ClusterState
 from . import names as n
 from .servicemap import (
-    Categorized,
-    NodeInfo,
-    ServicePortInfo,
-    cache,
-    gc_paused,
-    node_info,
-    service_ports,
-    service_ports_for,
+    Categorized, NodeInfo, ServicePortInfo, gc_paused, node_info, service_ports, service_ports_for,
 )
 
 # (chain, type, hook, priority): kube-proxy's base chains
@@ -63,34 +70,68 @@ JUMPS = (
 SERVICES = "services"
 MARK_MASQ = "mark-for-masquerade"
 MASQUERADING = "masquerading"
-REJECT_CHAIN = "reject-chain"
 CLUSTER_IPS = "cluster-ips"
 NODEPORT_IPS = "nodeport-ips"
 SERVICE_IPS = "service-ips"
 SERVICE_NODEPORTS = "service-nodeports"
 FIREWALL_IPS = "firewall-ips"
-NO_ENDPOINT_SERVICES = "no-endpoint-services"
-NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
+NO_ENDPOINT_REJECT = "no-endpoint-reject"
+NO_ENDPOINT_DROP = "no-endpoint-drop"
+NO_ENDPOINT_NODEPORT_REJECT = "no-endpoint-nodeport-reject"
+NO_ENDPOINT_NODEPORT_DROP = "no-endpoint-nodeport-drop"
+HAIRPIN = "hairpin"
+ENDPOINTS_PREFIX = "endpoints-"
+
+BUCKETS = 512          # shared endpoint maps: a bucket holds the slots of the Services hashing to it
+SLOT = 65536           # numbers per service port and policy: the modulus of numgen
+CLUSTER, LOCAL = "cluster", "local"
+
+
+def bucket_of(key: tuple[str, str]) -> int:
+    """The endpoint map of a Service (namespace, name): stable across runs and renders."""
+    digest = hashlib.sha256(f"{key[0]}/{key[1]}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % BUCKETS
+
+
+def endpoints_map(bucket: tuple[str, int]) -> str:
+    """The endpoint map of a bucket (protocol, number): one per protocol, as typeof names it."""
+    return f"{ENDPOINTS_PREFIX}{bucket[0]}-{bucket[1]:03d}"
+
+
+def shares(count: int, offset: int = 0) -> list[tuple[int, int]]:
+    """Inclusive ranges splitting [offset, offset + SLOT) into `count` shares as even as integers allow."""
+    return [(offset + i * SLOT // count, offset + (i + 1) * SLOT // count - 1) for i in range(count)]
 
 
 @dataclass(frozen=True)
 class Objects:
-    """Chains, sets and elements that one owner (the base layout, or one Service) puts in the table."""
+    """Chains, sets and elements that one owner (the base layout, or one Service) puts in the table.
+
+    `shared_sets` and `shared_elements` may also come from other owners (the
+    bucket maps, the hairpin pairs): the table holds them while any owner does.
+    `slot_keys` are the endpoint-map slots the owner uses.
+    """
     chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # chain -> rules, in order
     chain_decls: Mapping[str, str] = field(default_factory=dict)          # chain -> "{ ... }" or ""
     sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)     # name -> ("set"|"map", "{ ... }")
     elements: tuple[tuple[str, str, str], ...] = ()                       # (set, key, element text)
+    shared_sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    shared_elements: tuple[tuple[str, str, str], ...] = ()
+    slot_keys: tuple[tuple, ...] = ()
+    slots: tuple[tuple[int, int], ...] = ()                               # (bucket, slot) of each slot key
 
 
 @dataclass(frozen=True)
 class NftState:
-    """What the table holds after a text is applied: enough to compute the next transaction.
+    """What the table holds after a transaction is applied: enough to compute the next one.
 
     The mappings are never mutated once built. `owned` records which objects
     each Service contributed, so a sync that knows which Services changed
-    rebuilds only those; `context` is what every Service's objects depend on
-    besides the Service itself (base layout, node zone): when it changes, a
-    sync rebuilds everything.
+    rebuilds only those; `refs` counts the owners of shared sets and
+    elements; `buckets` lists each endpoint map's slot keys in slot order;
+    `context` is what every Service's objects depend on besides the Service
+    itself (base layout, node, options): when it changes, a sync rebuilds
+    everything.
     """
     family: int = 4
     chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -99,6 +140,8 @@ class NftState:
     elements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # name -> key -> element text
     owned: Mapping[tuple[str, str], Objects] = field(default_factory=dict)
     context: tuple = ()
+    refs: Mapping[tuple, int] = field(default_factory=dict)
+    buckets: Mapping[tuple[str, int], tuple[tuple, ...]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, int]:
         return {"chains": len(self.chains), "rules": sum(len(r) for r in self.chains.values()),
@@ -111,6 +154,19 @@ class NftRuleSet:
     state: NftState
     full: bool = True
     changes: int = 0      # statements in the text (a measure of the transaction's size)
+
+
+class RenderCache:
+    """Each Service's Objects across renders, owned by whoever renders repeatedly (the backend).
+
+    servicemap hands out the same (info, categorized) pairs while a Service
+    and its slices are unchanged, so a hit is an identity check plus the
+    Service's slots; everything else is in the context.
+    """
+
+    def __init__(self) -> None:
+        self.context: tuple | None = None
+        self.entries: dict[tuple[str, str], tuple] = {}
 
 
 def _fam(family: int) -> tuple[str, str, str]:
@@ -126,6 +182,8 @@ class _Builder:
         self.chain_decls: dict[str, str] = {}
         self.sets: dict[str, tuple[str, str]] = {}
         self.elements: list[tuple[str, str, str]] = []
+        self.shared_sets: dict[str, tuple[str, str]] = {}
+        self.shared_elements: list[tuple[str, str, str]] = []
 
     def chain(self, name: str, decl: str = "") -> list[str]:
         rules = self.chains.get(name)
@@ -145,16 +203,18 @@ class _Builder:
             text += f" : {value}"
         self.elements.append((name, key, text))
 
-    def objects(self) -> Objects:
+    def objects(self, slot_keys: tuple = (), slots: tuple = ()) -> Objects:
         return Objects({k: tuple(v) for k, v in self.chains.items()}, self.chain_decls, self.sets,
-                       tuple(self.elements))
+                       tuple(self.elements), self.shared_sets, tuple(self.shared_elements), slot_keys, slots)
 
 
-def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects], context: tuple) -> NftState:
+def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects], context: tuple,
+           buckets: Mapping[tuple[str, int], tuple] | None = None) -> NftState:
     chains: dict[str, tuple[str, ...]] = dict(base.chains)
     decls: dict[str, str] = dict(base.chain_decls)
     sets: dict[str, tuple[str, str]] = dict(base.sets)
     elements: dict[str, dict[str, str]] = {name: {} for name in sets}
+    refs: dict[tuple, int] = {}
     for name, key, text in base.elements:
         elements[name][key] = text
     for key in sorted(owned):
@@ -164,9 +224,30 @@ def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects],
         for name, spec in objs.sets.items():
             sets[name] = spec
             elements.setdefault(name, {})
+        for name, spec in objs.shared_sets.items():
+            rk = ("set", name)
+            if rk not in refs:
+                sets[name] = spec
+                elements.setdefault(name, {})
+            refs[rk] = refs.get(rk, 0) + 1
         for name, ekey, text in objs.elements:
             elements.setdefault(name, {})[ekey] = text
-    return NftState(family, chains, decls, sets, elements, owned, context)
+        for name, ekey, text in objs.shared_elements:
+            rk = (name, ekey)
+            if rk not in refs:
+                elements.setdefault(name, {})[ekey] = text
+            refs[rk] = refs.get(rk, 0) + 1
+    if buckets is None:
+        buckets = _buckets(owned)
+    return NftState(family, chains, decls, sets, elements, owned, context, refs, buckets)
+
+
+def _buckets(owned: Mapping[tuple[str, str], Objects]) -> dict[tuple[str, int], tuple]:
+    out: dict[tuple[str, int], list] = {}
+    for key, objs in owned.items():
+        for sk in objs.slot_keys:
+            out.setdefault((sk[3], bucket_of(key)), []).append(sk)
+    return {b: tuple(sorted(v)) for b, v in out.items()}
 
 
 class _Layered(Mapping):
@@ -259,7 +340,8 @@ class _Layered(Mapping):
         return self
 
 
-def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]) -> NftState:
+def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None],
+           buckets: Mapping[tuple[str, int], tuple]) -> NftState:
     """previous with the objects of the changed Services replaced (None: the Service is gone).
 
     O(changed Services): every mapping is a _Layered view over the previous one.
@@ -269,6 +351,7 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
     sets = _Layered.derive(previous.sets)
     elements = _Layered.derive(previous.elements)
     owned = _Layered.derive(previous.owned)
+    refs = _Layered.derive(previous.refs)
     copied: set[str] = set()
 
     def writable(name: str) -> _Layered:
@@ -279,17 +362,36 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
 
     for key, objs in changes.items():
         old = owned.pop(key, None)
-        if old is not None:
-            for name in old.chains:
-                chains.pop(name, None)
-                decls.pop(name, None)
-            for name in old.sets:
+        if old is None:
+            continue
+        for name in old.chains:
+            chains.pop(name, None)
+            decls.pop(name, None)
+        for name in old.sets:
+            sets.pop(name, None)
+            elements.pop(name, None)
+            copied.discard(name)
+        for name, ekey, _ in old.elements:
+            if name in elements:
+                writable(name).pop(ekey, None)
+        for name, ekey, _ in old.shared_elements:
+            count = refs.get((name, ekey), 0) - 1
+            if count > 0:
+                refs[(name, ekey)] = count
+            else:
+                refs.pop((name, ekey), None)
+                if name in elements:
+                    writable(name).pop(ekey, None)
+        for name in old.shared_sets:
+            count = refs.get(("set", name), 0) - 1
+            if count > 0:
+                refs[("set", name)] = count
+            else:
+                # the last owner: its elements went with the owners above
+                refs.pop(("set", name), None)
                 sets.pop(name, None)
                 elements.pop(name, None)
                 copied.discard(name)
-            for name, ekey, _ in old.elements:
-                if name in elements:
-                    writable(name).pop(ekey, None)
     for key, objs in changes.items():
         if objs is None:
             continue
@@ -299,62 +401,75 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
         for name, spec in objs.sets.items():
             sets[name] = spec
             writable(name)
+        for name, spec in objs.shared_sets.items():
+            count = refs.get(("set", name), 0)
+            if not count:
+                sets[name] = spec
+                writable(name)
+            refs[("set", name)] = count + 1
         for name, ekey, text in objs.elements:
             writable(name)[ekey] = text
+        for name, ekey, text in objs.shared_elements:
+            count = refs.get((name, ekey), 0)
+            if not count:
+                writable(name)[ekey] = text
+            refs[(name, ekey)] = count + 1
     for name in copied:
         if name in elements:
             elements[name] = elements[name].settled()
     return NftState(previous.family, chains.settled(), decls.settled(), sets.settled(), elements.settled(),
-                    owned.settled(), previous.context)
+                    owned.settled(), previous.context, refs.settled(), buckets)
 
 
 def _partial(family: int, objs: list[Objects]) -> NftState:
     """A state holding only these objects: the two sides of a diff restricted to changed Services."""
-    return _merge(family, Objects(), {(str(i), ""): o for i, o in enumerate(objs)}, ())
+    return _merge(family, Objects(), {(str(i), ""): o for i, o in enumerate(objs)}, (), {})
 
 
 def render(state: ClusterState, cfg: Config, family: int = 4, *,
            previous: NftState | None = None,
-           changed: set[tuple[str, str]] | frozenset[tuple[str, str]] | None = None,
-           resync: bool = False) -> NftRuleSet:
+           changed: Iterable[tuple[str, str]] | None = None,
+           resync: bool = False, cache: RenderCache | None = None) -> NftRuleSet:
     """The nft -f transaction for `state`.
 
     previous None: a full transaction (recreates the table). previous given:
     only the changes from it. changed (with previous): the Service keys whose
     Service or EndpointSlices changed since `previous` was rendered
-    (StateStore deltas); only those are rebuilt, so a small change costs
+    (StateStore deltas); only those (and, when a Service's slots change, the
+    Services sharing its endpoint map) are rebuilt, so a small change costs
     little however large the cluster. Without it every Service is rebuilt and
     compared. resync (with previous): a full sync that keeps the table, as
     kube-proxy's periodic full syncs: every chain is flushed and refilled,
     every map re-filled, objects `previous` had and the state no longer needs
-    deleted; session-affinity sets keep their entries.
+    deleted; session-affinity sets keep their entries. cache: per-Service
+    work kept across renders by the caller (output never depends on it).
     """
     with gc_paused():
         base, context, node, zone = _base(state, cfg, family)
         if previous is None or previous.family != family:
-            new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+            new = _full_state(state, cfg, family, node, zone, base, context, cache)
             return NftRuleSet(text=full_text(new), state=new, full=True, changes=sum(new.summary().values()))
         if resync:
-            new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+            new = _full_state(state, cfg, family, node, zone, base, context, cache)
             text = resync_text(previous, new)
             return NftRuleSet(text=text, state=new, full=True, changes=text.count("\n"))
         if changed is None or previous.context != context:
-            new = _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+            new = _full_state(state, cfg, family, node, zone, base, context, cache)
             text, count = diff_text(previous, new)
             return NftRuleSet(text=text, state=new, full=False, changes=count)
-        updates = {key: _service_objects(state, key, cfg, family, node, zone) for key in changed}
-        new = _apply(previous, updates)
-        old_side = _partial(family, [o for k in changed if (o := previous.owned.get(k)) is not None])
+        updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed))
+        new = _apply(previous, updates, buckets)
+        old_side = _partial(family, [o for k in updates if (o := previous.owned.get(k)) is not None])
         new_side = _partial(family, [o for o in updates.values() if o is not None])
         text, count = diff_text(old_side, new_side)
         return NftRuleSet(text=text, state=new, full=False, changes=count)
 
 
-def build(state: ClusterState, cfg: Config, family: int = 4) -> NftState:
+def build(state: ClusterState, cfg: Config, family: int = 4, cache: RenderCache | None = None) -> NftState:
     """The complete table contents for `state`."""
     with gc_paused():
         base, context, node, zone = _base(state, cfg, family)
-        return _merge(family, base, _all_services(state, cfg, family, node, zone), context)
+        return _full_state(state, cfg, family, node, zone, base, context, cache)
 
 
 def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, tuple[str, ...]]:
@@ -369,56 +484,116 @@ def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, 
     return True, ()
 
 
-# Each Service's Objects across renders: context -> key -> ((info, cat) pairs, Objects).
-# servicemap hands out the same pairs while a Service and its slices are
-# unchanged, so a hit is an identity check; the rest is in the context.
-_OBJECTS: dict[tuple, dict[tuple[str, str], tuple]] = cache({})
-_OBJECT_CONTEXTS = 2
+def _uses_cluster(info: ServicePortInfo) -> bool:
+    """The Cluster-policy chain is needed: internal Cluster traffic, or the eTP Local short-circuits."""
+    return not info.internal_local or info.externally_accessible
 
 
-def _all_services(state: ClusterState, cfg: Config, family: int, node: NodeInfo,
-                  zone: str) -> dict[tuple[str, str], Objects]:
+def _slot_keys(pairs: list[tuple[ServicePortInfo, Categorized]]) -> tuple[tuple, ...]:
+    out = []
+    for info, _ in pairs:
+        if info.affinity_timeout:
+            continue    # per-endpoint chains instead
+        head = (info.namespace, info.service_name, info.port_name, info.protocol)
+        if _uses_cluster(info):
+            out.append(head + (CLUSTER,))
+        if info.uses_local_endpoints:
+            out.append(head + (LOCAL,))
+    return tuple(out)
+
+
+def _group(pairs: list[tuple[ServicePortInfo, Categorized]]) -> dict[tuple[str, str], list]:
     groups: dict[tuple[str, str], list] = {}
-    for pair in service_ports(state, cfg, family):
+    for pair in pairs:
         group = groups.get(pair[0].service)
         if group is None:
             groups[pair[0].service] = [pair]
         else:
             group.append(pair)
+    return groups
+
+
+def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, zone: str, base: Objects,
+                context: tuple, cache: RenderCache | None) -> NftState:
+    groups = _group(service_ports(state, cfg, family))
+    slot_keys = {key: _slot_keys(pairs) for key, pairs in groups.items()}
+    by_bucket: dict[tuple[str, int], list] = {}
+    for key, sks in slot_keys.items():
+        if sks:
+            b = bucket_of(key)
+            for sk in sks:
+                by_bucket.setdefault((sk[3], b), []).append(sk)
+    buckets = {b: tuple(sorted(v)) for b, v in by_bucket.items()}
+    index = {sk: (b, i) for b, sks in buckets.items() for i, sk in enumerate(sks)}
     _, ipx, addr_type = _fam(family)
-    ctx = (family, node, cfg.masquerade_all)
-    old = _OBJECTS.get(ctx, {})
-    cache: dict[tuple[str, str], tuple] = {}
+    ctx = (family, node, zone, cfg.masquerade_all)
+    old = cache.entries if cache is not None and cache.context == ctx else {}
+    entries: dict[tuple[str, str], tuple] = {}
     owned: dict[tuple[str, str], Objects] = {}
     for key, pairs in groups.items():
+        sks = slot_keys[key]
+        slots = tuple(index[sk] for sk in sks)
         hit = old.get(key)
-        if hit is not None and len(hit[0]) == len(pairs) and all(a is b for a, b in zip(hit[0], pairs)):
-            objs = hit[1]
+        if hit is not None and hit[1] == slots and len(hit[0]) == len(pairs) \
+                and all(a is b for a, b in zip(hit[0], pairs)):
+            objs = hit[2]
         else:
-            b = _Builder()
-            for info, cat in pairs:
-                _service(b, info, cat, node, cfg, ipx, addr_type)
-            objs = b.objects()
+            objs = _objects(pairs, sks, slots, node, cfg, ipx, addr_type)
         owned[key] = objs
-        cache[key] = (pairs, objs)
-    # only this render's Services are kept: bounded by the state
-    _OBJECTS.pop(ctx, None)
-    while len(_OBJECTS) >= _OBJECT_CONTEXTS:
-        _OBJECTS.pop(next(iter(_OBJECTS)))
-    _OBJECTS[ctx] = cache
-    return owned
+        entries[key] = (pairs, slots, objs)
+    if cache is not None:
+        # only this render's Services are kept: bounded by the state
+        cache.context, cache.entries = ctx, entries
+    return _merge(family, base, owned, context, buckets)
 
 
-def _service_objects(state: ClusterState, key: tuple[str, str], cfg: Config, family: int,
-                     node: NodeInfo, zone: str) -> Objects | None:
-    ports = service_ports_for(state, key, family, cfg.node_name, zone)
-    if not ports:
-        return None
+def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeInfo, zone: str,
+                     previous: NftState, changed: set[tuple[str, str]]):
+    """The new Objects of the changed Services, and of those whose slot moved because of them."""
+    pairs = {key: service_ports_for(state, key, family, cfg.node_name, zone) for key in changed}
+    buckets = dict(previous.buckets)
+    touched: set[tuple[str, int]] = set()
+    for key, ps in pairs.items():
+        old = previous.owned.get(key)
+        old_sk = old.slot_keys if old is not None else ()
+        new_sk = _slot_keys(ps)
+        if old_sk != new_sk:
+            num = bucket_of(key)
+            for proto in {sk[3] for sk in old_sk} | {sk[3] for sk in new_sk}:
+                b = (proto, num)
+                now = (set(buckets.get(b, ())) - set(old_sk)) | {sk for sk in new_sk if sk[3] == proto}
+                if now:
+                    buckets[b] = tuple(sorted(now))
+                else:
+                    buckets.pop(b, None)
+                touched.add(b)
+    for b in touched:
+        before = {sk: i for i, sk in enumerate(previous.buckets.get(b, ()))}
+        for i, sk in enumerate(buckets.get(b, ())):
+            mate = (sk[0], sk[1])
+            if before.get(sk) != i and mate not in pairs:
+                pairs[mate] = service_ports_for(state, mate, family, cfg.node_name, zone)
     _, ipx, addr_type = _fam(family)
+    updates: dict[tuple[str, str], Objects | None] = {}
+    for key, ps in pairs.items():
+        if not ps:
+            updates[key] = None
+            continue
+        sks = _slot_keys(ps)
+        num = bucket_of(key) if sks else 0
+        slots = tuple(((sk[3], num), buckets[(sk[3], num)].index(sk)) for sk in sks)
+        updates[key] = _objects(ps, sks, slots, node, cfg, ipx, addr_type)
+    return updates, buckets
+
+
+def _objects(pairs, slot_keys: tuple, slots: tuple, node: NodeInfo, cfg: Config, ipx: str,
+             addr_type: str) -> Objects:
     b = _Builder()
-    for info, cat in ports:
-        _service(b, info, cat, node, cfg, ipx, addr_type)
-    return b.objects()
+    where = dict(zip(slot_keys, slots))
+    for info, cat in pairs:
+        head = (info.namespace, info.service_name, info.port_name, info.protocol)
+        _service(b, info, cat, node, cfg, ipx, addr_type, where.get(head + (CLUSTER,)), where.get(head + (LOCAL,)))
+    return b.objects(slot_keys, slots)
 
 
 def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple, NodeInfo, str]:
@@ -438,7 +613,10 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
     for name in (SERVICES, "cluster-ips-check", MASQUERADING, MARK_MASQ):
         b.chain(name)
     b.chain(MARK_MASQ).append(f"mark set mark or {mark}")
-    b.chain(MASQUERADING).extend([f"mark and {mark} == 0 return", f"mark set mark xor {mark}",
+    b.set(HAIRPIN, "set", f"{{ type {addr_type} . {addr_type} ; "
+                          'comment "endpoint . endpoint: a Pod reaching itself through a Service" ; }')
+    b.chain(MASQUERADING).extend([f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN} jump {MARK_MASQ}",
+                                  f"mark and {mark} == 0 return", f"mark set mark xor {mark}",
                                   "masquerade fully-random"])
 
     b.set(CLUSTER_IPS, "set", f'{{ type {addr_type} ; comment "Active ClusterIPs" ; }}')
@@ -456,24 +634,31 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
     else:
         np_match = f"fib daddr type local {no_localhost}"
 
-    b.set(NO_ENDPOINT_SERVICES, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
-                                       f'comment "vmap to drop or reject packets to services with no endpoints" ; }}')
-    b.set(NO_ENDPOINT_NODEPORTS, "map", "{ type inet_proto . inet_service : verdict ; "
-                                        'comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }')
-    b.chain(REJECT_CHAIN, '{ comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }').append("reject")
-    b.chain("service-endpoints-check").append(
-        f"{ipx} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES}")
-    b.chain("nodeport-endpoints-check").append(
-        f"{np_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS}")
+    svc_key = f"{ipx} daddr . meta l4proto . th dport"
+    b.set(NO_ENDPOINT_REJECT, "set", f"{{ type {addr_type} . inet_proto . inet_service ; "
+                                     'comment "Service addresses without endpoints: rejected" ; }')
+    b.set(NO_ENDPOINT_DROP, "set", f"{{ type {addr_type} . inet_proto . inet_service ; "
+                                   'comment "Service addresses without endpoints for their Local policy: dropped" ; }')
+    b.set(NO_ENDPOINT_NODEPORT_REJECT, "set", "{ type inet_proto . inet_service ; "
+                                              'comment "NodePorts without endpoints: rejected" ; }')
+    b.set(NO_ENDPOINT_NODEPORT_DROP, "set", "{ type inet_proto . inet_service ; "
+                                            'comment "NodePorts without local endpoints: dropped" ; }')
+    b.chain("service-endpoints-check").extend([f"{svc_key} @{NO_ENDPOINT_REJECT} reject",
+                                               f"{svc_key} @{NO_ENDPOINT_DROP} drop"])
+    b.chain("nodeport-endpoints-check").extend([
+        f"{np_match} meta l4proto . th dport @{NO_ENDPOINT_NODEPORT_REJECT} reject",
+        f"{np_match} meta l4proto . th dport @{NO_ENDPOINT_NODEPORT_DROP} drop"])
 
     b.set(FIREWALL_IPS, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
                                f'comment "destinations that are subject to LoadBalancerSourceRanges" ; }}')
-    b.chain("firewall-check").append(f"{ipx} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}")
+    # without endpoints the address is rejected later, whatever the source (as kube-proxy)
+    b.chain("firewall-check").extend([f"{svc_key} @{NO_ENDPOINT_REJECT} return",
+                                      f"{svc_key} vmap @{FIREWALL_IPS}"])
 
     b.set(SERVICE_IPS, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
                               f'comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }}')
     b.set(SERVICE_NODEPORTS, "map", '{ type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }')
-    b.chain(SERVICES).append(f"{ipx} daddr . meta l4proto . th dport vmap @{SERVICE_IPS}")
+    b.chain(SERVICES).append(f"{svc_key} vmap @{SERVICE_IPS}")
     b.chain(SERVICES).append(f"{np_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")
 
     zone = ""
@@ -486,7 +671,8 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
 
 
 def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config,
-             ipx: str, addr_type: str) -> None:
+             ipx: str, addr_type: str, cluster_slot: tuple | None,
+             local_slot: tuple | None) -> None:
     proto = info.protocol
     name = info.name
     port = info.port_number
@@ -497,119 +683,121 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
     ext_chain = n.nft_external_chain(base)
     fw_chain = n.nft_firewall_chain(base)
     has_endpoints = cat.has_endpoints
+    has_internal = has_endpoints and (bool(cat.local) if info.internal_local else True)
+    has_external = has_endpoints and (bool(cat.local) if info.external_local else True)
+    internal_chain = local_chain if info.internal_local else cluster_chain
+    int_set = NO_ENDPOINT_REJECT if not has_endpoints else (NO_ENDPOINT_DROP if not has_internal else "")
+    ext_set = NO_ENDPOINT_REJECT if not has_endpoints else (NO_ENDPOINT_DROP if not has_external else "")
+    np_set = NO_ENDPOINT_NODEPORT_REJECT if not has_endpoints else (
+        NO_ENDPOINT_NODEPORT_DROP if not has_external else "")
 
-    uses_cluster_chain = bool(cat.cluster) and info.uses_cluster_endpoints
-    uses_local_chain = bool(cat.local) and info.uses_local_endpoints
-    internal_chain, has_internal = cluster_chain, has_endpoints
-    if info.internal_local:
-        internal_chain, has_internal = local_chain, has_endpoints and bool(cat.local)
-    external_policy_chain, has_external = cluster_chain, has_endpoints
-    if info.external_local:
-        external_policy_chain, has_external = local_chain, has_endpoints and bool(cat.local)
-    uses_ext_chain = has_endpoints and info.externally_accessible
-    uses_fw_chain = has_endpoints and bool(info.lb_ips) and info.lb_firewall
-
-    int_verdict = ext_verdict = ""
-    if not has_endpoints:
-        int_verdict = ext_verdict = f"goto {REJECT_CHAIN}"
-    else:
-        if not has_internal:
-            int_verdict = "drop"
-        if not has_external:
-            ext_verdict = "drop"
-
+    # entries stay while the Service exists, with or without endpoints: no verdict element changes with them
     b.element(CLUSTER_IPS, cip)
     key = f"{cip} . {proto} . {port}"
-    if has_internal:
-        b.element(SERVICE_IPS, key, f"goto {internal_chain}")
-    else:
-        b.element(NO_ENDPOINT_SERVICES, key, int_verdict, name)
+    b.element(SERVICE_IPS, key, f"goto {internal_chain}")
+    if int_set:
+        b.element(int_set, key, comment=name)
     for eip in info.external_ips:
         ekey = f"{eip} . {proto} . {port}"
-        if has_endpoints:
-            b.element(SERVICE_IPS, ekey, f"goto {ext_chain}")
-        if not has_external:
-            b.element(NO_ENDPOINT_SERVICES, ekey, ext_verdict, name)
+        b.element(SERVICE_IPS, ekey, f"goto {ext_chain}")
+        if ext_set:
+            b.element(ext_set, ekey, comment=name)
+    firewall = bool(info.lb_ips) and info.lb_firewall
     for lbip in info.lb_ips:
         lkey = f"{lbip} . {proto} . {port}"
-        if has_endpoints:
-            b.element(SERVICE_IPS, lkey, f"goto {ext_chain}")
-        if uses_fw_chain:
+        b.element(SERVICE_IPS, lkey, f"goto {ext_chain}")
+        if firewall:
             b.element(FIREWALL_IPS, lkey, f"goto {fw_chain}", name)
-        if not has_external:
-            b.element(NO_ENDPOINT_SERVICES, lkey, ext_verdict, name)
+        if ext_set:
+            b.element(ext_set, lkey, comment=name)
     if info.node_port:
         nkey = f"{proto} . {info.node_port}"
-        if has_endpoints:
-            b.element(SERVICE_NODEPORTS, nkey, f"goto {ext_chain}")
-        if not has_external:
-            b.element(NO_ENDPOINT_NODEPORTS, nkey, ext_verdict, name)
+        b.element(SERVICE_NODEPORTS, nkey, f"goto {ext_chain}")
+        if np_set:
+            b.element(np_set, nkey, comment=name)
 
-    if has_internal:
-        rules = b.chain(internal_chain)
-        if cfg.masquerade_all:
-            rules.append(f"{ipx} daddr {cip} {proto} dport {port} jump {MARK_MASQ}")
-        elif node.local_cidr:
-            rules.append(f"{ipx} daddr {cip} {proto} dport {port} {ipx} saddr != {node.local_cidr} jump {MARK_MASQ}")
+    masq = ""
+    if cfg.masquerade_all:
+        masq = f"{ipx} daddr {cip} {proto} dport {port} jump {MARK_MASQ}"
+    elif node.local_cidr:
+        masq = f"{ipx} daddr {cip} {proto} dport {port} {ipx} saddr != {node.local_cidr} jump {MARK_MASQ}"
+    ep_bases: dict[str, str] = {}
+    if info.affinity_timeout:
+        # nft_endpoint_base inlined: kube-proxy's names for the per-endpoint chains
+        prefix = f"{info.namespace}/{info.service_name}/{proto}/{info.port_name}__"
+        for ep in cat.reachable:
+            text = f"{prefix}{ep.ip.replace(':', '.')}/{ep.port}"
+            ep_bases[ep.endpoint] = n._b32_16(text)[:8] + "-" + (text if len(text) <= 240 else text[:237] + "...")
+    if _uses_cluster(info):
+        rules = b.chain(cluster_chain)
+        if masq and not info.internal_local:
+            rules.append(masq)
+        _dispatch(b, rules, info, cat.cluster, cluster_slot, ep_bases, ipx)
+    if info.uses_local_endpoints:
+        rules = b.chain(local_chain)
+        if masq and info.internal_local:
+            rules.append(masq)
+        _dispatch(b, rules, info, cat.local, local_slot, ep_bases, ipx)
 
-    if uses_ext_chain:
+    if info.externally_accessible:
         rules = b.chain(ext_chain)
         if not info.external_local:
-            rules += [f"jump {MARK_MASQ}"]
+            rules += [f"jump {MARK_MASQ}", f"goto {cluster_chain}"]
         else:
             if node.local_cidr:
                 rules.append(f'{ipx} saddr {node.local_cidr} goto {cluster_chain} comment "short-circuit pod traffic"')
             rules.append(f'fib saddr type local jump {MARK_MASQ} comment "masquerade local traffic"')
             rules.append(f'fib saddr type local goto {cluster_chain} comment "short-circuit local traffic"')
-        if has_external:
-            rules.append(f"goto {external_policy_chain}")
+            rules.append(f"goto {local_chain}")
 
-    if uses_fw_chain:
+    if firewall:
         sources = list(info.lb_source_ranges)
         if node.primary_ip and any(_contains(c, node.primary_ip) for c in info.lb_source_ranges):
             sources += list(info.lb_ips)
         # ranges only in the other family allow nothing of this one
         b.chain(fw_chain).append(f"{ipx} saddr != {{ {', '.join(sources)} }} drop" if sources else "drop")
 
-    # nft_endpoint_base and hash_and_truncate inlined: this loop runs for every endpoint
-    prefix = f"{info.namespace}/{info.service_name}/{proto}/{info.port_name}__"
-    b32 = n._b32_16
-    ep_chains = {}
+    hairpin = b.shared_elements
     for ep in cat.reachable:
-        text = f"{prefix}{ep.ip.replace(':', '.')}/{ep.port}"
-        ep_chains[ep.endpoint] = b32(text)[:8] + "-" + (text if len(text) <= 240 else text[:237] + "...")
-    if uses_cluster_chain:
-        _dispatch(b.chain(cluster_chain), cat.cluster, ep_chains, info, ipx)
-    if uses_local_chain:
-        _dispatch(b.chain(local_chain), cat.local, ep_chains, info, ipx)
-    chains, decls = b.chains, b.chain_decls
-    masq = f"{ipx} saddr "
-    masq_tail = f" jump {MARK_MASQ}"
-    dnat = f"meta l4proto {proto} dnat to "
-    for ep in cat.reachable:
-        ep_base = ep_chains[ep.endpoint]
-        chain = "endpoint-" + ep_base
-        if info.affinity_timeout:
-            rules = b.chain(chain)
-            rules.append(masq + ep.ip + masq_tail)
+        pair = f"{ep.ip} . {ep.ip}"
+        hairpin.append((HAIRPIN, pair, pair))
+    if info.affinity_timeout:
+        dnat = f"meta l4proto {proto} dnat to "
+        for ep in cat.reachable:
+            ep_base = ep_bases[ep.endpoint]
             aff = n.nft_affinity_set(ep_base)
             b.set(aff, "set", f"{{ type {addr_type} ; flags dynamic,timeout ; timeout {info.affinity_timeout}s ; }}")
-            rules.append(f"update @{aff} {{ {ipx} saddr }}")
-            rules.append(dnat + ep.endpoint)
-        elif chain in chains:
-            chains[chain] += [masq + ep.ip + masq_tail, dnat + ep.endpoint]
-        else:
-            chains[chain] = [masq + ep.ip + masq_tail, dnat + ep.endpoint]
-            decls[chain] = ""
+            b.chain(n.nft_endpoint_chain(ep_base)).extend([f"update @{aff} {{ {ipx} saddr }}", dnat + ep.endpoint])
 
 
-def _dispatch(rules: list[str], endpoints, ep_chains: dict[str, str], info: ServicePortInfo, ipx: str) -> None:
+def _dispatch(b: _Builder, rules: list[str], info: ServicePortInfo, endpoints, slot: tuple | None,
+              ep_bases: dict[str, str], ipx: str) -> None:
     if info.affinity_timeout:
+        # kube-proxy's shape: a client seen recently goes back to its endpoint, others are spread
         for ep in endpoints:
-            base = ep_chains[ep.endpoint]
+            base = ep_bases[ep.endpoint]
             rules.append(f"{ipx} saddr @{n.nft_affinity_set(base)} goto {n.nft_endpoint_chain(base)}")
-    vmap = " , ".join([f"{i} : goto endpoint-{ep_chains[ep.endpoint]}" for i, ep in enumerate(endpoints)])
-    rules.append(f"numgen random mod {len(endpoints)} vmap {{ {vmap} }}")
+        if endpoints:
+            vmap = " , ".join([f"{i} : goto {n.nft_endpoint_chain(ep_bases[ep.endpoint])}"
+                               for i, ep in enumerate(endpoints)])
+            rules.append(f"numgen random mod {len(endpoints)} vmap {{ {vmap} }}")
+        return
+    assert slot is not None
+    bucket, index = slot
+    name = endpoints_map(bucket)
+    offset = index * SLOT
+    b.shared_sets[name] = ("map", f"{{ typeof numgen random mod {SLOT} : {ipx} daddr . {info.protocol} dport ; "
+                                  "flags interval ; }")
+    rules.append(f"meta l4proto {info.protocol} dnat to numgen random mod {SLOT}"
+                 f"{f' offset {offset}' if offset else ''} map @{name}")
+    for (lo, hi), ep in zip(shares(len(endpoints), offset) if endpoints else (), endpoints):
+        b.element(name, f"{lo}-{hi}", f"{ep.ip} . {ep.port}")
+
+
+def endpoint_share(text_key: str) -> float:
+    """The share of new connections an endpoint-map element's range gets ("lo-hi")."""
+    lo, _, hi = text_key.partition("-")
+    return (int(hi) - int(lo) + 1) / SLOT
 
 
 def _contains(cidr: str, ip: str) -> bool:
@@ -749,4 +937,4 @@ def cleanup_text(family: int = 4) -> str:
     return f"add table {fam} {n.NFT_TABLE}\ndelete table {fam} {n.NFT_TABLE}\n"
 
 
-__all__ = ["NftRuleSet", "NftState", "build", "cleanup_text", "diff_text", "full_text", "render"]
+__all__ = ["NftRuleSet", "NftState", "RenderCache", "build", "cleanup_text", "diff_text", "full_text", "render", "shares"]

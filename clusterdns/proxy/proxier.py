@@ -184,6 +184,8 @@ class NftablesBackend:
         self.exe = NftExecutor(runner, family)
         self.previous = None   # NftState of the last applied transaction
         self.last_path = ""    # "nft" or "netlink": how the last transaction went in
+        from .nftables import RenderCache
+        self.cache = RenderCache()   # per-Service render work across full syncs
 
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import nftables
@@ -191,9 +193,10 @@ class NftablesBackend:
             # Full: recreate the table at start and after any trouble; otherwise
             # flush and refill it in place (affinity sets keep their entries).
             rs = nftables.render(state, self.cfg, self.family, previous=self.previous,
-                                 resync=self.previous is not None)
+                                 resync=self.previous is not None, cache=self.cache)
         else:
-            rs = nftables.render(state, self.cfg, self.family, previous=self.previous, changed=changed)
+            rs = nftables.render(state, self.cfg, self.family, previous=self.previous, changed=changed,
+                                 cache=self.cache)
         if not rs.text.strip():
             self.previous = rs.state
             return SyncOutcome()

@@ -215,7 +215,7 @@ def test_small_transaction_goes_over_netlink(netns):
     assert run(exe.apply_small(small.text)) == "netlink"
     listing = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "table", "ip", "kube-proxy"],
                              capture_output=True, text=True).stdout
-    assert "dnat to 10.161.0.99:53" in listing
+    assert " : 10.161.0.99 . 53" in listing
     # The state now equals a fresh full render of it.
     again = nftables.render(store.current, cfg, 4, previous=small.state)
     assert not again.text.strip()

@@ -39,8 +39,15 @@ def test_supported_forms():
         f"add rule {T} fw drop",
         f"add rule {T} fw ip saddr != {{ 203.0.113.0/25, 198.51.100.9, 192.0.2.0/24 }} drop",
         f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 : goto svc }}",
-        f'add element {T} no-endpoint-services {{ 10.96.0.2 . udp . 53 comment "ns/svc:dns" : goto reject-chain }}',
-        f'add element {T} no-endpoint-nodeports {{ tcp . 30001 comment "ns/svc:http" : drop }}',
+        f'add element {T} no-endpoint-reject {{ 10.96.0.2 . udp . 53 comment "ns/svc:dns" }}',
+        f'add element {T} no-endpoint-nodeport-drop {{ tcp . 30001 comment "ns/svc:http" }}',
+        f"add element {T} hairpin {{ 10.0.1.3 . 10.0.1.3 }}",
+        f"add element {T} endpoints-tcp-007 {{ 65536-98303 : 10.0.1.3 . 8080 }}",
+        f"delete element {T} endpoints-tcp-007 {{ 65536-98303 }}",
+        f"add map {T} endpoints-udp-007 {{ typeof numgen random mod 65536 : ip daddr . udp dport ; flags interval ; }}",
+        f"delete map {T} endpoints-udp-007",
+        f"add rule {T} svc meta l4proto tcp dnat to numgen random mod 65536 offset 131072 map @endpoints-tcp-007",
+        f"add rule {T} svc meta l4proto udp dnat to numgen random mod 65536 map @endpoints-udp-007",
         f"add element {T} cluster-ips {{ 10.96.0.2 }}",
         f"delete element {T} service-nodeports {{ sctp . 30001 }}",
         f"add set {T} affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 {{ type ipv4_addr ; flags dynamic,timeout ; "
@@ -88,6 +95,14 @@ def test_supported_forms():
     f"add element {T} cluster-ips {{ 10.96.0.2 : goto x }}",
     f"add element {T} service-ips {{ 10.96.0.2 . icmp . 80 : goto x }}",
     f"add element {T} other-set {{ 10.96.0.2 }}",
+    f"add element {T} endpoints-tcp-1 {{ 5 : 10.0.0.1 . 80 }}",                  # not a range
+    f"add element {T} endpoints-tcp-1 {{ 0-5 : 10.0.0.1 }}",                     # no port
+    f"add element {T} hairpin {{ 10.0.0.1 }}",
+    f"add map {T} endpoints-tcp-1 {{ typeof numgen random mod 65536 : ip daddr . udp dport ; flags interval ; }}",
+    f"add map {T} other {{ typeof numgen random mod 65536 : ip daddr . tcp dport ; flags interval ; }}",
+    f"add rule {T} c meta l4proto udp dnat to numgen random mod 65536 map @endpoints-tcp-1",   # protocol mismatch
+    f"add rule {T} c meta l4proto tcp dnat to numgen random mod 65536 offset 7 map @endpoints-tcp-1",
+    f"add rule {T} c meta l4proto tcp dnat to numgen random mod 100 map @endpoints-tcp-1",
     f"add chain ip6 kube-proxy a\nadd chain {T} b",                    # mixed families
     "list ruleset",
 ])
@@ -154,6 +169,9 @@ def bytecode(ns: str, fam: str = "ip"):
     out = subprocess.run(["ip", "netns", "exec", ns, "nft", "--debug=netlink", "list", "table", fam, "kube-proxy"],
                          capture_output=True, text=True, check=True).stdout
     out = re.sub(r"__map\d+", "__map", out)
+    # nft 1.0.6 starts an interval set it believes empty with an end element at 0 (matches nothing);
+    # whether it does depends on its cache's history, netlink never writes one
+    out = re.sub(r"\n\s*element 00000000  : 1 \[end\]", "", out)
     blocks: list[list[str]] = []
     for line in out.splitlines():
         if not line.strip():
@@ -394,7 +412,8 @@ def test_ipv6_batches_match_nft(pair):
     demo = state_from_records(records)
     keys = set(_keys(records))
     rs = nftables.render(demo, CFG6, 6, previous=empty.state, changed=keys)
-    assert "dnat to [fd00:161::" in rs.text and "ip6 saddr != fd00:161::/64" in rs.text
+    assert " : fd00:161::" in rs.text and "dnat to numgen random mod 65536" in rs.text
+    assert "ip6 saddr != fd00:161::/64" in rs.text
     fewer = [(k, replace(r, endpoints=r.endpoints[1:]) if k == "EndpointSlice" and r.address_type == "IPv6" else r)
              for k, r in records]
     rs2 = nftables.render(state_from_records(fewer), CFG6, 6, previous=rs.state, changed=keys)
@@ -449,10 +468,21 @@ def test_each_form_matches_nft(pair, family):
         add rule {t} fw {ipx} saddr != {{ {net} }} drop
         add element {t} service-ips {{ {addr2} . udp . 53 : goto svc }}
         add element {t} firewall-ips {{ {addr2} . sctp . 9 comment "ns/svc:x" : goto fw }}
-        add element {t} no-endpoint-services {{ {addr2} . tcp . 1 comment "ns/svc:y" : drop }}
+        add element {t} no-endpoint-reject {{ {addr2} . tcp . 1 comment "ns/svc:y" }}
+        add element {t} no-endpoint-drop {{ {addr2} . udp . 2 }}
         add element {t} service-nodeports {{ udp . 30053 : jump ep }}
-        add element {t} no-endpoint-nodeports {{ tcp . 30054 comment "ns/svc:y" : goto reject-chain }}
+        add element {t} no-endpoint-nodeport-reject {{ tcp . 30054 comment "ns/svc:y" }}
+        add element {t} no-endpoint-nodeport-drop {{ sctp . 30055 }}
+        add element {t} hairpin {{ {host} . {host} }}
         add element {t} cluster-ips {{ {addr2} }}
+        add map {t} endpoints-udp-003 {{ typeof numgen random mod 65536 : {ipx} daddr . udp dport ; flags interval ; }}
+        add map {t} endpoints-sctp-003 {{ typeof numgen random mod 65536 : {ipx} daddr . sctp dport ; flags interval ; }}
+        add chain {t} svc2
+        add rule {t} svc2 meta l4proto udp dnat to numgen random mod 65536 offset 65536 map @endpoints-udp-003
+        add rule {t} svc2 meta l4proto sctp dnat to numgen random mod 65536 map @endpoints-sctp-003
+        add element {t} endpoints-udp-003 {{ 65536-87381 : {host} . 53 }}
+        add element {t} endpoints-udp-003 {{ 87382-131071 : {addr2} . 5353 }}
+        add element {t} endpoints-sctp-003 {{ 0-65535 : {host} . 9 }}
         """)
     assert nflink.supported(text)
     nflink.apply(text, family, netns=a)
@@ -464,6 +494,13 @@ def test_each_form_matches_nft(pair, family):
         delete element {t} firewall-ips {{ {addr2} . sctp . 9 }}
         delete element {t} service-nodeports {{ udp . 30053 }}
         delete element {t} cluster-ips {{ {addr2} }}
+        delete element {t} hairpin {{ {host} . {host} }}
+        delete element {t} no-endpoint-reject {{ {addr2} . tcp . 1 }}
+        delete element {t} endpoints-udp-003 {{ 65536-87381 }}
+        add element {t} endpoints-udp-003 {{ 65536-76458 : {host} . 53 }}
+        flush chain {t} svc2
+        delete chain {t} svc2
+        delete map {t} endpoints-sctp-003
         flush chain {t} svc
         flush chain {t} ep
         flush chain {t} ep2

@@ -34,15 +34,19 @@ def demo_state():
     return state_from_records(records)
 
 
+NFT_CACHE = nftables.RenderCache()   # what a backend owns across its renders
+
+
 def cold(fn):
     servicemap.clear_caches()
+    NFT_CACHE.__init__()
     return fn()
 
 
 RENDERS = {
     "iptables": lambda st, cfg, fam: iptables.render(st, cfg, fam).text,
     "iptables-nojumps": lambda st, cfg, fam: iptables.render(st, cfg, fam, jumps=False).text,
-    "nftables": lambda st, cfg, fam: nftables.render(st, cfg, fam).text,
+    "nftables": lambda st, cfg, fam: nftables.render(st, cfg, fam, cache=NFT_CACHE).text,
     "ipvs": lambda st, cfg, fam: repr(ipvs.render(st, cfg, fam)),
     "service_ports": lambda st, cfg, fam: repr(servicemap.service_ports(st, cfg, fam)),
 }
@@ -87,13 +91,13 @@ def test_changed_slice_is_rendered_again():
     assert warm_only == cold_only
     assert "10.250.0.1" in warm_only.text
     # nftables: full text, and the one-Service change from the previous state
-    nftables.render(before, CFG, 4)
+    nftables.render(before, CFG, 4, cache=NFT_CACHE)
     warm_change = nftables.render(after, CFG, 4, previous=nft_before.state, changed={sl.service_key})
     cold_change = cold(lambda: nftables.render(after, CFG, 4, previous=nft_before.state,
                                                changed={sl.service_key}))
     assert warm_change.text == cold_change.text and "10.250.0.1" in warm_change.text
     assert warm_change.state.chains == cold_change.state.chains
-    assert nftables.render(after, CFG, 4).text == cold(lambda: nftables.render(after, CFG, 4).text)
+    assert nftables.render(after, CFG, 4, cache=NFT_CACHE).text == cold(lambda: nftables.render(after, CFG, 4).text)
 
 
 def test_changed_service_and_context_are_rendered_again():
@@ -104,7 +108,7 @@ def test_changed_service_and_context_are_rendered_again():
     store.upsert("Service", replace(svc, ports=(ServicePort("http", "TCP", 81, 0, 8080),)))
     after = store.current
     for render in (lambda st, cfg: iptables.render(st, cfg, 4).text,
-                   lambda st, cfg: nftables.render(st, cfg, 4).text):
+                   lambda st, cfg: nftables.render(st, cfg, 4, cache=NFT_CACHE).text):
         render(before, CFG)
         assert render(after, CFG) == cold(lambda: render(after, CFG))
         # everything besides the Service that its rules depend on: masquerade-all, cluster CIDR, node
@@ -143,14 +147,16 @@ def test_large_cluster_switch_is_seen():
 def test_caches_hold_only_the_current_services():
     servicemap.clear_caches()
     iptables.render(state_from_records(synthetic_records(50, 1)), CFG, 4)
-    nftables.render(state_from_records(synthetic_records(50, 1)), CFG, 4)
+    nft_cache = nftables.RenderCache()     # the nftables cache belongs to its caller (the backend)
+    nftables.render(state_from_records(synthetic_records(50, 1)), CFG, 4, cache=nft_cache)
+    assert len(nft_cache.entries) == 50
     st = state_from_records(synthetic_records(5, 1))
     iptables.render(st, CFG, 4)
-    nftables.render(st, CFG, 4)
-    assert servicemap._PORTS_CACHE and iptables._BLOCKS and nftables._OBJECTS
+    nftables.render(st, CFG, 4, cache=nft_cache)
+    assert servicemap._PORTS_CACHE and iptables._BLOCKS
     assert all(len(c) <= 5 for c in servicemap._PORTS_CACHE.values())
     assert all(len(c) <= 5 for c in iptables._BLOCKS.values())
-    assert all(len(c) <= 5 for c in nftables._OBJECTS.values())
+    assert len(nft_cache.entries) == 5
 
 
 def test_headless_and_removed_services():
