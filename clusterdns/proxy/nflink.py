@@ -564,7 +564,7 @@ def _line(batch: _Batch, text: str, index: int) -> None:
             raise Unsupported(f"{verb} element on {name}")
         em = _ELEMENT.match(rest)
         rm = _RANGE.match(em.group("key")) if em else None
-        if not rm or em.group("comment") is not None:
+        if em is None or rm is None or em.group("comment") is not None:
             raise Unsupported(f"element {rest[:40]!r}")
         lo, hi = int(rm.group(1)), int(rm.group(2))
         if not lo <= hi < 0xFFFFFFFF:

@@ -38,7 +38,13 @@ from ..config import Config
 from ..state import ClusterState
 from . import names as n
 from .servicemap import (
-    Categorized, NodeInfo, ServicePortInfo, gc_paused, node_info, service_ports, service_ports_for,
+    Categorized,
+    NodeInfo,
+    ServicePortInfo,
+    gc_paused,
+    node_info,
+    service_ports,
+    service_ports_for,
 )
 
 # (chain, type, hook, priority): kube-proxy's base chains

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
-import time
 from dataclasses import replace
 from pathlib import Path
 
