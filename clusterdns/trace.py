@@ -429,9 +429,12 @@ def ipvs_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
                 m = _MATCH_SET.search(r)
                 if m and m.group(1) in sets:
                     chains.setdefault((table, _chain_of(r)), []).append(r)
-        if info.lb_ips:
-            chains.setdefault(("nat", "KUBE-LOAD-BALANCER"), []).extend(
-                r for r in tables.get("nat", []) if r.startswith("-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ"))
+        # the set-less rules these chains end with: masquerade for LoadBalancer traffic, and
+        # the DROP for sources outside loadBalancerSourceRanges
+        for (table, chain), rs in list(chains.items()):
+            if chain in ("KUBE-LOAD-BALANCER", "KUBE-SOURCE-RANGES-FIREWALL"):
+                rs += [r for r in tables.get(table, []) if _chain_of(r) == chain and r not in rs
+                       and not _MATCH_SET.search(r)]
         by_real = {(ep.ip, ep.port): ep for ep in cat.all}
         cluster_vs = next((vs for vs in servers if vs.address == info.cluster_ip and vs.port == info.port_number),
                           None)
@@ -446,9 +449,13 @@ def ipvs_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
                                  "endpoint": ep.endpoint if ep else f"{real.ip}:{real.port}",
                                  "node": ep.node_name if ep else None, "zone": ep.zone if ep else None,
                                  "ready": ep.ready if ep else None})
+        # externalTrafficPolicy Local: the set's RETURN comes first in KUBE-LOAD-BALANCER and
+        # KUBE-NODE-PORT, so their masquerade rules never see this Service's traffic
+        skipped = ("KUBE-LOAD-BALANCER", "KUBE-NODE-PORT") if info.external_local else ()
         masq = [{"chain": c, "when": _ipvs_masq_reason(r, cfg), "rule": r,
                  "set": (m.group(1) if (m := _MATCH_SET.search(r)) else None)}
-                for (_, c), rs in chains.items() for r in rs if r.endswith(("-j KUBE-MARK-MASQ", "-j MASQUERADE"))]
+                for (_, c), rs in chains.items() for r in rs
+                if r.endswith(("-j KUBE-MARK-MASQ", "-j MASQUERADE")) and c not in skipped]
         cluster_set = ipvs.set_name(ipvs.CLUSTER_IP, family)
         out.append({
             "port": info.name, "protocol": info.protocol, "cluster_ip": info.cluster_ip,

@@ -282,3 +282,15 @@ def test_no_upstream_candidates_are_refused_not_forwarded(capsys):
     w = json.loads(out)["walk"]
     assert [q["route"] for q in w["queries"] if q["name"] == "nosuch."] == ["refused", "refused"]
     assert w["upstream"] == []
+
+
+def test_ipvs_load_balancer_with_source_ranges_and_local_policy(capsys):
+    code, out, _ = run_trace(capsys, "testapp-lb", "--json", "--proxy-mode", "ipvs")
+    assert code == 0
+    port = json.loads(out)["rules"]["ports"][0]
+    assert port["ipsets"]["KUBE-LOAD-BALANCER-SOURCE-CIDR"] == ["203.0.113.10,tcp:80,198.51.100.0/24"]
+    assert port["ipsets"]["KUBE-LOAD-BALANCER-LOCAL"] == ["203.0.113.10,tcp:80"]
+    rules = {r for c in port["chains"] for r in c["rules"]}
+    assert "-A KUBE-SOURCE-RANGES-FIREWALL -j DROP" in rules        # sources outside the ranges
+    # externalTrafficPolicy Local: RETURN before masquerade for LoadBalancer and NodePort traffic
+    assert {m["chain"] for m in port["masquerade"]} == {"KUBE-SERVICES", "KUBE-POSTROUTING"}
