@@ -21,9 +21,10 @@ from clusterdns.model import (
     ServicePort,
 )
 from clusterdns.proxy import iptables
-from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
+from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.demo import DEMO_CFG, demo_state
 from tests.nslib import requires
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -58,17 +59,6 @@ def assert_rules_equal(expected: str, got: str) -> None:
     for table in e:
         assert sorted(e[table][0]) == sorted(g[table][0]), table
         assert e[table][1] == g[table][1], table
-
-
-def demo_state():
-    records, skipped = load_files([DEMO_MANIFEST])
-    assert not skipped
-    return state_from_records(records)
-
-
-DEMO_CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",),
-                  cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"),
-                  service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
 
 
 def svc(ns, name, ip, *ports, **kw):

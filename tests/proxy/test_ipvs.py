@@ -10,16 +10,12 @@ import pytest
 from clusterdns.config import Config
 from clusterdns.model import LOAD_BALANCER, Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
 from clusterdns.proxy import ipvs
-from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
+from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
+from tests.demo import demo_state
 from tests.nslib import requires
 
 CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",), cluster_cidrs=("10.161.0.0/16",))
-
-
-def demo_state():
-    records, _ = load_files([DEMO_MANIFEST])
-    return state_from_records(records)
 
 
 def vs_by_key(conf):

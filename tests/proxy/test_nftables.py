@@ -20,23 +20,15 @@ from clusterdns.model import (
     ServicePort,
 )
 from clusterdns.proxy import nftables
-from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
+from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.demo import DEMO_CFG, demo_state
 from tests.nslib import requires
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = bool(os.environ.get("UPDATE_GOLDEN"))
 
-
-def demo_state():
-    records, _ = load_files([DEMO_MANIFEST])
-    return state_from_records(records)
-
-
-DEMO_CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",),
-                  cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"),
-                  service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
 
 P80 = ServicePort("p80", "TCP", 80)
 

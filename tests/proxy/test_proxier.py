@@ -11,8 +11,9 @@ from clusterdns.config import load
 from clusterdns.proxy import proxier as px
 from clusterdns.proxy.apply import RecordingRunner, Result
 from clusterdns.proxy.healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
-from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+from clusterdns.sources.manifest import DEMO_MANIFEST, publish
 from clusterdns.state import StateStore
+from tests.demo import demo_records
 from tests.netutil import free_port
 from tests.nslib import requires
 
@@ -22,11 +23,6 @@ BASE = ["proxy", "--manifest", DEMO_MANIFEST, "--node-ip", "192.168.49.2", "--no
 
 def cfg_of(*extra):
     return load(BASE + list(extra), env={})
-
-
-def demo_records():
-    records, _ = load_files([DEMO_MANIFEST])
-    return records
 
 
 def restores(runner):

@@ -13,25 +13,15 @@ import pytest
 from clusterdns.config import Config
 from clusterdns.model import Service, ServicePort
 from clusterdns.proxy import iptables, ipvs, nftables, servicemap
-from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+from clusterdns.sources.manifest import publish
 from clusterdns.state import StateStore, state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.demo import DEMO_CFG, demo_state
 
 CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
-DEMO_CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",),
-                  cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"),
-                  service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
-
-
 def synthetic_state():
     """Fresh objects on every call: ClusterIP and NodePort Services, headless ones, local endpoints."""
     return state_from_records(synthetic_records(60, 4, headless_every=7, nodeport_every=3))
-
-
-def demo_state():
-    records, skipped = load_files([DEMO_MANIFEST])
-    assert not skipped
-    return state_from_records(records)
 
 
 NFT_CACHE = nftables.RenderCache()   # what a backend owns across its renders
