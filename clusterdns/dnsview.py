@@ -186,9 +186,8 @@ class DnsView:
         self._kernel_families = frozenset(families)
         now = self.store.current
         self._recompute(set(now.services) | set(self._services), now)
-        log.info("restart adoption: %d of %d Services found in the kernel as they are now; "
-                 "DNS answers them before the first sync", len(self._adopted),
-                 sum(1 for s in now.services.values() if needs_rules(s)))
+        log.info("restart adoption: %d Service ports found in the kernel; %d Services listed so far "
+                 "match them and are answered before the first sync", len(found), len(self._adopted))
         return len(self._adopted)
 
     def _kernel_match(self, svc: Service) -> frozenset[str] | None:
@@ -237,6 +236,9 @@ class DnsView:
         self._deltas = rest
         if self._kernel is not None:
             # The first sync replaced what the kernel held: P decides from now on.
+            log.info("restart adoption ends with the first sync: %d of %d Services were answered "
+                     "from the kernel's rules", len(self._adopted),
+                     sum(1 for s in self.store.current.services.values() if needs_rules(s)))
             self._kernel = None
             keys |= self._adopted
             self._adopted = set()

@@ -219,6 +219,133 @@ def inner(args) -> dict:
             "metrics": metrics}
 
 
+# ---------------------------------------------------------------- restart (--restart)
+
+def _agent_argv(kubeconfig: str, mode: str, lameduck: float, ports: tuple[int, int, int]) -> list[str]:
+    health, dns_metrics, proxy_metrics = ports
+    return [sys.executable, "-m", "clusterdns", "agent", "--kubeconfig", kubeconfig,
+            "--listen", f"127.0.0.1:{DNS_PORT}", "--proxy-mode", mode, "--apply",
+            "--min-sync-period", "1", "--sync-period", "60", "--no-upstream", "--lameduck", str(lameduck),
+            "--cluster-cidr", "10.0.0.0/8", "--health-listen", f"127.0.0.1:{health}",
+            "--metrics-listen", f"127.0.0.1:{dns_metrics}", "--proxy-metrics-listen", f"127.0.0.1:{proxy_metrics}",
+            "--log-level", "info"]
+
+
+def _ready(port: int) -> bool:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def _probe(name: str, want: str, timeout: float = 0.2) -> str:
+    """'ok', or what went wrong: 'timeout', 'refused', the rcode, 'wrong'."""
+    import dns.exception
+    import dns.message
+    import dns.query
+    import dns.rcode
+    q = dns.message.make_query(name, "A")
+    try:
+        r = dns.query.udp(q, "127.0.0.1", port=DNS_PORT, timeout=timeout)
+    except dns.exception.Timeout:
+        return "timeout"
+    except OSError:
+        return "refused"
+    if r.rcode() != dns.rcode.NOERROR:
+        return dns.rcode.to_text(r.rcode())
+    got = [rd.to_text() for rrset in r.answer for rd in rrset]
+    return "ok" if got == [want] else "wrong"
+
+
+def inner_restart(args) -> dict:
+    """Cold start to the first right answer, then SIGTERM + an immediate second agent
+    with a DNS probe every 20 ms (200 ms timeout) throughout."""
+    from clusterdns.synthetic import SERVICE_BASE
+    from tests.fakeapi import FakeAPIServer
+    import ipaddress
+    setup_namespace()
+    if args.mode == "iptables" and args.iptables_backend == "legacy":
+        # The backend holding more rules wins (as iptables-wrappers): make it legacy.
+        sh("iptables-legacy", "-t", "filter", "-N", "BENCH-LEGACY")
+        sh("iptables-legacy", "-t", "filter", "-A", "BENCH-LEGACY", "-j", "RETURN")
+    api = FakeAPIServer(history=100000).start()
+    tmp = f"/tmp/cdbench-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    from clusterdns.synthetic import synthetic_records, to_manifest
+    api.add_all(json.loads(to_manifest(synthetic_records(services=args.services,
+                                                         endpoints=args.endpoints)))["items"])
+    kubeconfig = api.write_kubeconfig(os.path.join(tmp, "kubeconfig"))
+    # svc-1 in ns-1 (synthetic: ClusterIPs from 10.96.0.1 in order)
+    name, want = "svc-1.ns-1.svc.cluster.local.", str(ipaddress.ip_address(SERVICE_BASE + 2))
+    logs = [open(os.path.join(tmp, f"agent{i}.log"), "w") for i in (1, 2)]
+    ports1, ports2 = (18095, 18096, 18097), (18195, 18196, 18197)
+    t0 = time.monotonic()
+    first = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1),
+                             stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)
+    second = None
+    try:
+        while _probe(name, want) != "ok":
+            if first.poll() is not None or time.monotonic() - t0 > 900:
+                raise RuntimeError("first agent never answered; see " + logs[0].name)
+            time.sleep(0.02)
+        cold_answer = time.monotonic() - t0
+        while not _ready(ports1[0]):
+            time.sleep(0.05)
+        cold_ready = time.monotonic() - t0
+        time.sleep(1.0)
+
+        results: list[tuple[float, str]] = []
+        stop = threading.Event()
+
+        def prober() -> None:
+            nxt = time.monotonic()
+            while not stop.is_set():
+                results.append((time.monotonic(), _probe(name, want)))
+                nxt += 0.02
+                time.sleep(max(0.0, nxt - time.monotonic()))
+        th = threading.Thread(target=prober, daemon=True)
+        th.start()
+        time.sleep(1.0)
+        t_term = time.monotonic()
+        first.terminate()
+        second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports2),
+                                  stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
+        old_exit = None
+        while not _ready(ports2[0]):
+            if second.poll() is not None or time.monotonic() - t_term > 900:
+                raise RuntimeError("second agent never became ready; see " + logs[1].name)
+            if old_exit is None and first.poll() is not None:
+                old_exit = time.monotonic() - t_term
+            time.sleep(0.05)
+        restart_ready = time.monotonic() - t_term
+        first.wait(60)
+        if old_exit is None:
+            old_exit = time.monotonic() - t_term
+        time.sleep(2.0)
+        stop.set()
+        th.join()
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(30)
+        api.close()
+    during = [(t, r) for t, r in results if t >= t_term]
+    failures = [(round(t - t_term, 3), r) for t, r in during if r != "ok"]
+    kinds: dict[str, int] = {}
+    for _, r in failures:
+        kinds[r] = kinds.get(r, 0) + 1
+    adopted = ""
+    for line in open(logs[1].name):
+        if "restart adoption ends" in line:
+            adopted = line.strip().split("restart adoption ", 1)[-1]
+    return {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
+            "cold_first_answer_s": round(cold_answer, 2), "cold_ready_s": round(cold_ready, 2),
+            "probes": len(during), "failures": len(failures), "failure_kinds": kinds,
+            "first_failures": failures[:10], "restart_ready_s": round(restart_ready, 2),
+            "old_exit_s": round(old_exit, 2), "adoption": adopted}
+
+
 # ---------------------------------------------------------------- outside
 
 def main() -> int:
@@ -228,11 +355,17 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=1.3, help="seconds between changes (> min sync period)")
     p.add_argument("--mode", choices=("iptables", "nftables", "none"), default="iptables",
                    help="proxier mode; none measures the DNS half alone")
+    p.add_argument("--restart", action="store_true",
+                   help="measure a cold start and a restart (SIGTERM + a new agent at once) instead")
+    p.add_argument("--endpoints", type=int, default=10, help="endpoints per Service (--restart)")
+    p.add_argument("--lameduck", type=float, default=5.0, help="the first agent's --lameduck (--restart)")
+    p.add_argument("--iptables-backend", choices=("legacy", "nft"), default="legacy",
+                   help="iptables mode (--restart): the backend the namespace prefers")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.inner:
         args.services = args.services[0]
-        print(json.dumps(inner(args)))
+        print(json.dumps(inner_restart(args) if args.restart else inner(args)))
         return 0
     if os.geteuid() != 0:
         print("needs root (a scratch network namespace)", file=sys.stderr)
@@ -242,15 +375,27 @@ def main() -> int:
         ns = f"cdbench-{os.getpid()}-{n}"
         subprocess.run(["ip", "netns", "add", ns], check=True)
         try:
+            extra = (["--restart", "--endpoints", str(args.endpoints), "--lameduck", str(args.lameduck),
+                      "--iptables-backend", args.iptables_backend] if args.restart else [])
             out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
                                   "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
-                                  "--mode", args.mode], capture_output=True, text=True, cwd=ROOT)
+                                  "--mode", args.mode, *extra], capture_output=True, text=True, cwd=ROOT)
             if out.returncode != 0:
                 print(out.stderr, file=sys.stderr)
                 return 1
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         finally:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    if args.restart:
+        print(f"{'services':>8} {'eps':>4} {'mode':>8} {'cold answer':>11} {'cold ready':>10} "
+              f"{'probes':>6} {'failed':>6} {'restart ready':>13} {'old exit':>8}")
+        for r in rows:
+            print(f"{r['services']:>8} {r['endpoints']:>4} {r['mode']:>8} {r['cold_first_answer_s']:>10.2f}s "
+                  f"{r['cold_ready_s']:>9.2f}s {r['probes']:>6} {r['failures']:>6} {r['restart_ready_s']:>12.2f}s "
+                  f"{r['old_exit_s']:>7.2f}s")
+            print(f"  failures by kind: {r['failure_kinds']}; first: {r['first_failures']}")
+            print(f"  second agent: {r['adoption']}")
+        return 0
     print(f"{'services':>8} {'mode':>8} {'changes':>7} {'DNS med':>8} {'DNS p99':>8} {'rules med':>9} "
           f"{'rules p99':>9} {'both med':>8} {'both p99':>8} {'order viol':>10}")
     for r in rows:

@@ -115,17 +115,21 @@ class IptablesExecutor:
         self.runner = runner
         self.family = family
         self.backend = backend   # None: detect on first use
+        self._detection_dump: str | None = None
 
     def _tool(self, name: str) -> str:
         base = "iptables" if self.family == 4 else "ip6tables"
         return f"{base}-{self.backend}-{name}" if name else f"{base}-{self.backend}"
 
-    async def detect_backend(self) -> str:
+    async def detect_backend(self, keep_dump: bool = False) -> str:
         """Pick the backend the host uses, as kubernetes-sigs/iptables-wrappers does:
-        the one holding more rules; nft when tied or when legacy is missing."""
+        the one holding more rules; nft when tied or when legacy is missing.
+
+        keep_dump: keep the chosen backend's dump for take_detection_dump()."""
         if self.backend:
             return self.backend
         counts = {}
+        dumps: dict[str, str] = {}
         for backend in ("legacy", "nft"):
             tool = f"{'iptables' if self.family == 4 else 'ip6tables'}-{backend}-save"
             if shutil.which(tool) is None and not isinstance(self.runner, RecordingRunner):
@@ -133,9 +137,17 @@ class IptablesExecutor:
                 continue
             res = await self.runner.run([tool])
             counts[backend] = count_rules(res.stdout) if res.returncode == 0 else -1
+            dumps[backend] = res.stdout if res.returncode == 0 else ""
         self.backend = "legacy" if counts["legacy"] > counts["nft"] else "nft"
+        self._detection_dump = dumps.get(self.backend) if keep_dump else None
         log.info("iptables backend: %s (rules: legacy %d, nft %d)", self.backend, counts["legacy"], counts["nft"])
         return self.backend
+
+    def take_detection_dump(self) -> str | None:
+        """The whole dump of the chosen backend read while detecting it (once; None after,
+        or when the backend was given): the start reads it instead of a second dump."""
+        dump, self._detection_dump = self._detection_dump, None
+        return dump
 
     async def restore(self, text: str) -> None:
         """One atomic (per table) `iptables-restore --noflush --counters` call."""

@@ -3,10 +3,16 @@
 A UDP flow keeps its DNAT in conntrack for as long as packets keep coming, so
 a DNS client sending from a fixed port keeps talking to an endpoint that went
 away, and a flow created while a Service had no endpoints (so no DNAT) keeps
-bypassing the new rules. After each successful sync we delete exactly those
-flows with the conntrack CLI. Which flows is decided by `stale_flows`, a pure
-function over the state whose rules were in the kernel before and the state
-just applied.
+bypassing the new rules. Two ways decide which flows to delete:
+
+- `stale_flows` (events): from the state whose rules were in the kernel
+  before and the state just applied, for the Services that changed; cheap,
+  used on partial syncs;
+- `reconcile` (kube-proxy's since 1.32): the UDP flows in the kernel now
+  (one `conntrack -L -p udp` dump of the family, parsed for three fields)
+  compared with the endpoints just programmed; after the first sync, full
+  syncs, and at least every --sync-period, so that a change made while no
+  agent ran (or one missed) is caught too.
 """
 from __future__ import annotations
 
@@ -124,6 +130,108 @@ def stale_flows(old: ClusterState, new: ClusterState, family: int = 4,
     return sorted(flows, key=lambda f: (f.dst or "", f.port, f.reply_src or ""))
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One UDP conntrack entry: original destination and port, reply source (the DNAT target)."""
+    dst: str
+    dport: int
+    reply_src: str
+
+    @property
+    def dnat(self) -> bool:
+        return self.reply_src != self.dst
+
+
+def parse_entries(text: str) -> list[Entry]:
+    """`conntrack -L -p udp` lines -> entries (first dst=/dport= are the original
+    direction's, the second src= is the reply's source)."""
+    out: list[Entry] = []
+    for line in text.splitlines():
+        dst = dport = reply = None
+        srcs = 0
+        for word in line.split():
+            if word.startswith("src="):
+                srcs += 1
+                if srcs == 2:
+                    reply = word[4:]
+                    break
+            elif dst is None and word.startswith("dst="):
+                dst = word[4:]
+            elif dport is None and word.startswith("dport="):
+                dport = word[6:]
+        if dst and reply and dport and dport.isdigit():
+            out.append(Entry(_canonical(dst), int(dport), _canonical(reply)))
+    return out
+
+
+def _canonical(ip: str) -> str:
+    try:
+        return str(ipaddress.ip_address(ip))
+    except ValueError:
+        return ip
+
+
+def reconcile(entries: Iterable[Entry], state: ClusterState, family: int = 4,
+              service_cidrs: Iterable[str] = ()) -> list[Flow]:
+    """The UDP flows to delete so that the kernel's flows agree with `state`'s rules.
+
+    - a flow to a Service address:port (ClusterIP, externalIP, LB IP) DNATed to
+      an address that is not one of its usable endpoints now (removed, or the
+      port has none left);
+    - a flow to a Service address:port that was not DNATed (made before the rules
+      existed) while the port has endpoints now;
+    - a DNATed flow to a NodePort whose target is not one of that port's endpoints;
+    - a DNATed flow to an address inside --service-cidr that no Service holds now
+      (a Service deleted while no agent ran).
+    """
+    ports = udp_ports(state, family)
+    by_addr: dict[tuple[str, int], frozenset[str]] = {}
+    by_node_port: dict[int, frozenset[str]] = {}
+    for p in ports.values():
+        for addr in p.addresses:
+            key = (_canonical(addr), p.port)
+            by_addr[key] = by_addr.get(key, frozenset()) | p.endpoints
+        if p.node_port:
+            by_node_port[p.node_port] = by_node_port.get(p.node_port, frozenset()) | p.endpoints
+    service_ips = {_canonical(ip) for svc in state.services.values()
+                   for ip in svc.cluster_ips + svc.external_ips + svc.lb_ips}
+    nets = []
+    for cidr in service_cidrs:
+        try:
+            net = ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            continue
+        if net.version == family:
+            nets.append(net)
+    flows: set[Flow] = set()
+    for e in entries:
+        eps = by_addr.get((e.dst, e.dport))
+        if eps is not None:
+            if e.dnat and e.reply_src not in eps:
+                flows.add(Flow(e.dport, e.dst, e.reply_src))
+            elif not e.dnat and eps:
+                flows.add(Flow(e.dport, e.dst, e.reply_src))
+            continue
+        if not e.dnat:
+            continue
+        np_eps = by_node_port.get(e.dport)
+        if np_eps is not None:
+            if e.reply_src not in np_eps:
+                flows.add(Flow(e.dport, None, e.reply_src))
+            continue
+        if nets and e.dst not in service_ips and _in(e.dst, nets):
+            flows.add(Flow(e.dport, e.dst, e.reply_src))
+    return sorted(flows, key=lambda f: (f.dst or "", f.port, f.reply_src or ""))
+
+
+def _in(ip: str, nets: list) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    return any(addr in net for net in nets)
+
+
 _DELETED = re.compile(r"(\d+) flow entries have been deleted")
 
 
@@ -143,6 +251,17 @@ class ConntrackCleaner:
         self.family = family
         self.failures = 0
 
+    async def reconcile(self, state: ClusterState, service_cidrs: Iterable[str] = ()) -> int:
+        """One UDP dump of this family; delete what `reconcile` finds stale. Never raises."""
+        fam = "ipv4" if self.family == 4 else "ipv6"
+        res = await self.runner.run(["conntrack", "-L", "-f", fam, "-p", "udp"])
+        if res.returncode != 0:
+            self.failures += 1
+            log.warning("conntrack reconcile: cannot list UDP flows: %s", (res.stderr or res.stdout).strip())
+            return 0
+        flows = reconcile(parse_entries(res.stdout), state, self.family, service_cidrs)
+        return await self.clear(flows) if flows else 0
+
     async def clear(self, flows: Iterable[Flow]) -> int:
         total = 0
         for flow in flows:
@@ -159,4 +278,5 @@ class ConntrackCleaner:
         return total
 
 
-__all__ = ["ConntrackCleaner", "Flow", "deleted_count", "stale_flows", "udp_ports"]
+__all__ = ["ConntrackCleaner", "Entry", "Flow", "deleted_count", "parse_entries", "reconcile", "stale_flows",
+           "udp_ports"]

@@ -180,3 +180,44 @@ async def test_cold_node_answers_servfail_until_the_first_sync(node, tmp_path):
         assert (await ask(port, "a")) == ("NOERROR", ["10.96.0.5"])
     finally:
         await agent.stop()
+
+
+def udp_flows(ns, ip, port, sports):
+    """One datagram from each source port to ip:port (the node's own OUTPUT path: DNATed there)."""
+    code = ("import socket\n"
+            f"for sp in {list(sports)!r}:\n"
+            "    s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('192.168.77.2',sp))\n"
+            f"    s.sendto(b'x',('{ip}',{port}));s.close()\n")
+    subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=True)
+
+
+def flows_by_target(ns, ip):
+    """DNAT target -> number of UDP conntrack entries whose original destination is ip."""
+    out: dict[str, int] = {}
+    for line in sh("conntrack", "-L", "-p", "udp", "-d", ip, ns=ns).splitlines():
+        srcs = [w[4:] for w in line.split() if w.startswith("src=")]
+        if len(srcs) >= 2:
+            out[srcs[1]] = out.get(srcs[1], 0) + 1
+    return out
+
+
+async def test_flow_to_an_endpoint_removed_while_down_is_gone_after_restart(node, tmp_path):
+    path = tmp_path / "cluster.json"
+    write(path, {"u": ("10.96.0.9", ["10.0.0.1", "10.0.0.2"], "UDP")})
+    first, _ = await start(path, Gate(node))
+    try:
+        await synced(first)
+    finally:
+        await first.stop()
+    udp_flows(node, "10.96.0.9", 53, range(40001, 40041))
+    before = flows_by_target(node, "10.96.0.9")
+    assert set(before) == {"10.0.0.1", "10.0.0.2"}, before    # both endpoints got flows
+
+    write(path, {"u": ("10.96.0.9", ["10.0.0.1"], "UDP")})      # 10.0.0.2 went away while down
+    second, _ = await start(path, Gate(node))
+    try:
+        await synced(second)
+        after = flows_by_target(node, "10.96.0.9")
+        assert after == {"10.0.0.1": before["10.0.0.1"]}, after  # only the dead endpoint's flows went
+    finally:
+        await second.stop()

@@ -128,3 +128,58 @@ def test_real_cli_deletes_only_the_stale_flows(netns):
     # Nothing left to delete: exit status 1 from the CLI, not a failure.
     assert asyncio.run(cleaner.clear(stale_flows(old, new))) == 0
     assert cleaner.failures == 0
+
+
+# ---------------------------------------------------------------- reconcile (the flows in the kernel)
+
+from clusterdns.proxy.conntrack import Entry, parse_entries, reconcile  # noqa: E402
+
+LISTING = """\
+udp      17 29 src=10.244.0.9 dst=172.20.0.10 sport=40001 dport=53 src=10.1.0.1 dst=10.244.0.9 sport=53 dport=40001 [ASSURED] mark=0 use=1
+udp      17 25 src=10.244.0.9 dst=172.20.0.10 sport=40002 dport=53 [UNREPLIED] src=10.1.0.9 dst=10.244.0.9 sport=53 dport=40002 mark=0 use=1
+udp      17 20 src=10.244.0.9 dst=172.20.0.10 sport=40003 dport=53 [UNREPLIED] src=172.20.0.10 dst=10.244.0.9 sport=53 dport=40003 mark=0 use=1
+udp      17 20 src=192.0.2.50 dst=192.168.49.2 sport=5000 dport=30053 src=10.1.0.9 dst=192.168.49.2 sport=53 dport=5000 mark=0 use=1
+udp      17 20 src=192.168.49.2 dst=198.51.100.1 sport=5001 dport=30053 src=198.51.100.1 dst=192.168.49.2 sport=30053 dport=5001 mark=0 use=1
+udp      17 20 src=10.244.0.9 dst=172.20.9.9 sport=5002 dport=53 src=10.1.0.7 dst=10.244.0.9 sport=53 dport=5002 mark=0 use=1
+udp      17 20 src=10.244.0.9 dst=8.8.8.8 sport=5003 dport=53 src=8.8.8.8 dst=10.244.0.9 sport=53 dport=5003 mark=0 use=1
+"""
+
+
+def test_parse_entries():
+    got = parse_entries(LISTING + "garbage line\n")
+    assert got[0] == Entry("172.20.0.10", 53, "10.1.0.1") and got[0].dnat
+    assert got[2] == Entry("172.20.0.10", 53, "172.20.0.10") and not got[2].dnat
+    assert len(got) == 7
+
+
+def test_reconcile_deletes_what_the_rules_no_longer_send_there():
+    state = st(dns_service(node_port=30053), dns_slice("10.1.0.1"))
+    flows = reconcile(parse_entries(LISTING), state, service_cidrs=("172.20.0.0/16",))
+    assert flows == [
+        Flow(30053, None, "10.1.0.9"),           # NodePort flow DNATed to an endpoint gone
+        Flow(53, "172.20.0.10", "10.1.0.9"),     # ClusterIP flow DNATed to an endpoint gone
+        Flow(53, "172.20.0.10", "172.20.0.10"),  # made before the rules existed, endpoints now
+        Flow(53, "172.20.9.9", "10.1.0.7"),      # inside --service-cidr, no Service holds it now
+    ]
+    # the live flow to 10.1.0.1, the outgoing flow to port 30053 elsewhere and 8.8.8.8 stay
+    assert reconcile(parse_entries(LISTING), state) == flows[:3]
+
+
+def test_reconcile_when_a_port_has_no_endpoints_left():
+    state = st(dns_service())
+    flows = reconcile(parse_entries(LISTING), state)
+    # DNATed flows go (their endpoints are gone); the un-NATed one has nothing better to reach
+    assert flows == [Flow(53, "172.20.0.10", "10.1.0.1"), Flow(53, "172.20.0.10", "10.1.0.9")]
+
+
+def test_reconcile_cleaner_lists_one_family_once():
+    listing = Result(("conntrack",), 0, LISTING, "conntrack v1.4.7 (conntrack-tools): 7 flow entries have been shown.")
+    from clusterdns.proxy.apply import RecordingRunner
+    runner = RecordingRunner(lambda argv, stdin: listing if "-L" in argv else
+                             Result(argv, 0, "", "1 flow entries have been deleted."))
+    cleaner = ConntrackCleaner(runner, 4)
+    assert asyncio.run(cleaner.reconcile(st(dns_service(), dns_slice("10.1.0.1")))) == 2
+    assert runner.commands()[0] == "conntrack -L -f ipv4 -p udp"
+    assert runner.commands()[1:] == [
+        "conntrack -D -f ipv4 -p udp --orig-dst 172.20.0.10 --orig-port-dst 53 --reply-src 10.1.0.9",
+        "conntrack -D -f ipv4 -p udp --orig-dst 172.20.0.10 --orig-port-dst 53 --reply-src 172.20.0.10"]
