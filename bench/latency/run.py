@@ -260,9 +260,10 @@ def _probe(name: str, want: str, timeout: float = 0.2) -> str:
 def inner_restart(args) -> dict:
     """Cold start to the first right answer, then SIGTERM + an immediate second agent
     with a DNS probe every 20 ms (200 ms timeout) throughout."""
+    import ipaddress
+
     from clusterdns.synthetic import SERVICE_BASE
     from tests.fakeapi import FakeAPIServer
-    import ipaddress
     setup_namespace()
     if args.mode == "iptables" and args.iptables_backend == "legacy":
         # The backend holding more rules wins (as iptables-wrappers): make it legacy.
