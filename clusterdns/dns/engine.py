@@ -10,12 +10,13 @@ the same.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
-import socket
 import struct
 from typing import Callable, Protocol
 
+import cachetools
 import dnslib
 from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 
@@ -27,7 +28,6 @@ from .cache import cache_key
 from .names import Labels
 from .wire import (
     AA,
-    AAAA,
     AXFR,
     BADVERS,
     EMPTY,
@@ -42,25 +42,26 @@ from .wire import (
     REFUSED,
     SERVFAIL,
     TC,
-    A,
     Body,
     Entry,
     opt_record,
     pack_body,
     qname_labels,
     question_end,
+    read_query,
     render,
     rotations,
+    splice,
     ttl_offsets,
     udp_limit,
     with_ttl,
 )
-from .zone import Answer, ZoneView
+from .zone import Answer, BigAnswer, ZoneView
+from .zone import chain as chain_records
 from .zone import label as zone_label
 
 log = logging.getLogger(__name__)
 
-MEMO_LIMIT = 100_000          # prebuilt answers kept per state version (then emptied)
 _FLAGS_MASK_UPSTREAM = 0x87FF  # QR..RCODE of an upstream reply, opcode cleared
 
 
@@ -129,10 +130,12 @@ class Engine:
         # forwarded answers the forwarder's cache holds, by lower-cased qname wire + qtype + DO/CD
         self._fcache = getattr(self.forwarder, "cache", None)
         self._probes = getattr(self.forwarder, "_probes", None) or {}
-        self._fwd: dict[bytes, _Forwarded] = {}
+        # bounded like the cache it mirrors (least recently used go)
+        self._fwd: cachetools.LRUCache = cachetools.LRUCache(max(1024, cfg.cache_size))
         # the SOA authority under svc.<zone> of the current view, by (zone, offset of the zone)
         self._nx_view: ZoneView | None = None
         self._nx_entries: dict[tuple, Body] = {}
+        self._building: dict[tuple, asyncio.Future] = {}    # big answers being built, by (view, key)
 
     # --- state -------------------------------------------------------------------------
 
@@ -151,74 +154,48 @@ class Engine:
     # --- fast path -----------------------------------------------------------------------
 
     def fast(self, data: bytes, tcp: bool) -> bytes | None:
-        """A prebuilt answer for an ordinary query, or None (then call resolve())."""
-        n = len(data)
-        if n < 17 or data[2] & 0xF8:          # QR set or opcode != QUERY
+        """A prebuilt answer for an ordinary query, or None (then call resolve()).
+
+        A question not answered yet in this state version is answered here too when its
+        answer is the same for every client: the one lookup, packed, remembered."""
+        r = read_query(data, tcp, self.udp_size)
+        if r is None:
             return None
-        counts = data[4:12]
-        end = data.find(b"\x00", 12)
-        if end < 0:
-            return None
-        qend = end + 5
-        if counts == b"\x00\x01\x00\x00\x00\x00\x00\x00":
-            if qend != n:
-                return None
-            opt, limit = b"", (MAX_TCP if tcp else 512)
-        elif counts == b"\x00\x01\x00\x00\x00\x00\x00\x01":
-            # exactly one OPT: root owner, version 0 (extended rcode 0). Its options (a COOKIE from
-            # dig and many resolvers) are ignored as RFC 6891 says for options one does not
-            # implement: we implement none, so they are only checked to be well-formed.
-            if n < qend + 11 or data[qend + 2] != 41 or data[qend] or data[qend + 1] or data[qend + 5] \
-                    or data[qend + 6]:
-                return None
-            if n != qend + 11:
-                pos = qend + 11
-                if n != pos + (data[qend + 9] << 8 | data[qend + 10]):
-                    return None
-                while pos < n:      # option TLVs must fill the OPT's data exactly
-                    if pos + 4 > n:
-                        return None
-                    pos += 4 + (data[pos + 2] << 8 | data[pos + 3])
-                if pos != n:
-                    return None
-            elif data[qend + 9] or data[qend + 10]:
-                return None
-            opt = self._opt_do if data[qend + 7] & 0x80 else self._opt
-            if tcp:
-                limit = MAX_TCP
-            else:
-                size = data[qend + 3] << 8 | data[qend + 4]
-                limit = 512 if size < 512 else (size if size < self.udp_size else self.udp_size)
-        else:
-            return None
-        if data[end + 3] or data[end + 4] != 1:     # class IN only
-            return None
+        end, qend, edns, limit = r
+        opt = b"" if edns < 0 else (self._opt_do if edns else self._opt)
         view = self._view
         key = data[12:end + 1].lower() + data[end + 1:end + 3]
         entry = view.memo.get(key)
         if entry is None:
-            entry = self._carry(view, key)
+            entry = self._memo_miss(view, key)
             if entry is None:
                 if self._fwd:
-                    reply = self._fast_forwarded(key + (b"\x02" if opt is self._opt_do else b"\x00"),
-                                                 data, qend, opt, limit)
+                    reply = self._fast_forwarded(key + (b"\x02" if edns > 0 else b"\x00"), data, qend, opt, limit)
                     if reply is not None:
                         return reply
-                entry = self._build(view, data, end, qend, key)
+                entry = self._first(view, data, end, qend, key)
                 if entry is None:
                     return None
         bodies = entry.bodies
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
-        flags = entry.flags | ((data[2] << 8 | data[3]) & 0x0110)
         if qend + len(body.data) + len(opt) > limit or body.spots:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
-        return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
-                         data[12:qend], body.data, opt))
+        return splice(body, entry.flags, data, qend, opt)
 
-    def _build(self, view: ZoneView, data: bytes, end: int, qend: int, key: bytes) -> Entry | None:
-        """The first time a zone question is asked in this state version: its answer built here,
-        without a parse or a task, exactly as resolve() builds it. None when resolve() must decide
-        (outside the zones, transfers, not synced, answers that depend on the client or upstream)."""
+    def _memo_miss(self, view: ZoneView, key: bytes) -> Entry | None:
+        """An answer asked once before (moved up to the memo now) or carried over from an
+        earlier state version; None when it must be built."""
+        entry = view.probation.pop(key, None)
+        if entry is not None:
+            view.memo[key] = entry
+            return entry
+        return self._carry(view, key) if view.carried else None
+
+    def _first(self, view: ZoneView, data: bytes, end: int, qend: int, key: bytes) -> Entry | None:
+        """The first time a zone question is asked in this state version: ZoneView.lookup
+        decides, the answer is packed and remembered. None when resolve() must answer
+        (outside the zones, transfers, not synced, big Services, answers that depend on the
+        client or the upstream)."""
         if not view.synced or question_end(data) != qend:
             return None
         qtype = data[end + 1] << 8 | data[end + 2]
@@ -226,66 +203,34 @@ class Engine:
             return None
         raw = qname_labels(data, qend)
         labels = tuple(l.lower().decode("latin-1") for l in raw)
-        zone = names.zone_of(labels, view.zones)
-        if zone is None:
+        if names.zone_of(labels, view.zones) is None:
             return None
-        k = len(labels) - len(zone)
-        if k and labels[k - 1] == "svc" and not names.is_reverse(zone) and _svc_nx(view, labels[:k]):
-            # the common miss (search-path candidates, unknown services): one template per
-            # position of the zone in the question; pointers only aim at the zone's labels
-            if self.cfg.autopath or (self._fall is not None and self._falls_through(labels)):
-                return None
-            entry = Entry(QR | AA | NXDOMAIN, [self._soa_body(view, zone, raw, end)], True, None, view.serial)
-        elif k == 3 and (qtype == A or qtype == AAAA) and labels[2] == "svc" and not names.is_reverse(zone) \
-                and (entry := self._service_addresses(view, zone, raw, end, qtype)) is not None:
-            pass
-        else:
-            ans = view.lookup(labels, qtype)
-            if ans.chase is not None or (ans.rcode == NXDOMAIN and (
-                    self.cfg.autopath or (self._fall is not None and self._falls_through(labels)))):
-                return None
-            entry = self._entry_for(raw, ans)
-            if not entry.cacheable:
-                return entry
-        memo = view.memo
-        if len(memo) >= MEMO_LIMIT:
-            memo.clear()
-        memo[key] = entry
+        try:
+            ans = view.lookup(labels, qtype, big_ok=False)
+        except BigAnswer:
+            return None
+        if ans.chase is not None or (ans.rcode == NXDOMAIN and not self._nx_memoisable(labels, view)):
+            return None
+        entry = self._entry_for(raw, ans, end, view)
+        self._remember(view, key, entry)
         return entry
 
+    @staticmethod
+    def _remember(view: ZoneView, key: bytes, entry: Entry) -> None:
+        if entry.cacheable and view.synced:
+            view.probation[key] = entry
+
     def _soa_body(self, view: ZoneView, zone: Labels, raw: tuple[bytes, ...], end: int) -> Body:
-        """The zone's SOA as the authority of a name under svc.<zone>: its names compress only
-        onto the zone's labels in the question, so the bytes depend on where the zone starts."""
+        """The zone's SOA as the authority of a negative answer: its names compress only onto
+        the zone's labels in the question, so the bytes depend on where the zone starts."""
         if self._nx_view is not view:
             self._nx_view, self._nx_entries = view, {}
         at = (zone, end - sum(len(l) + 1 for l in zone))
         body = self._nx_entries.get(at)
         if body is None:
-            body = self._nx_entries[at] = pack_body(tuple(l.lower() for l in raw), (), [view.soa(zone)])
+            body = self._nx_entries[at] = pack_body(tuple(l.lower() for l in raw), (), [view.soa(zone)],
+                                                    zone_len=len(zone))
         return body
-
-    def _service_addresses(self, view: ZoneView, zone: Labels, raw: tuple[bytes, ...], end: int,
-                           qtype: int) -> Entry | None:
-        """<svc>.<ns>.svc A/AAAA of a ClusterIP or headless Service, packed directly (what
-        lookup() + packing give: records owned by the question, so a pointer to it, then fixed
-        fields; NODATA with the SOA); None for anything else."""
-        sd = view.service(raw[1].lower().decode("latin-1"), raw[0].lower().decode("latin-1"))
-        if sd is None or sd.kind == "external":
-            return None
-        v6 = qtype == AAAA
-        if sd.kind == "cluster":
-            ips = [ip for ip in sd.svc.cluster_ips if (":" in ip) == v6]
-        else:
-            ips = sd.ready_ips(v6)
-        dep = (sd.svc.key, sd)
-        if not ips:
-            return Entry(QR | AA, [self._soa_body(view, zone, raw, end)], True, dep, view.serial)
-        fam, size = (socket.AF_INET6, 16) if v6 else (socket.AF_INET, 4)
-        head = b"\xc0\x0c" + struct.pack(">HHIH", qtype, 1, view.ttl, size)
-        chunks = [head + socket.inet_pton(fam, ip) for ip in ips]
-        step = len(head) + size
-        body = Body(b"".join(chunks), tuple(step * (i + 1) for i in range(len(chunks))), len(chunks), 0, 0)
-        return Entry(QR | AA, _rotated(body) if len(chunks) > 1 else [body], True, dep, None)
 
     def _fast_forwarded(self, key: bytes, data: bytes, qend: int, opt: bytes, limit: int) -> bytes | None:
         """A forwarded answer still fresh in the cache: counted as a cache hit, TTLs counted down."""
@@ -319,10 +264,7 @@ class Engine:
         flags = (rec.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
         key = q.data[12:q.qend - 4].lower() + q.data[q.qend - 4:q.qend - 2] + bytes(
             ((2 if q.do else 0) | (1 if q.data[3] & 0x10 else 0),))
-        fwd = self._fwd
-        if len(fwd) >= max(1024, 2 * len(self._fcache)):
-            fwd.clear()
-        fwd[key] = _Forwarded(ckey, centry, flags, body)
+        self._fwd[key] = _Forwarded(ckey, centry, flags, body)
 
     # --- full path -----------------------------------------------------------------------
 
@@ -399,13 +341,16 @@ class Engine:
         if qtype in (AXFR, IXFR):
             return await self._transfer(q, view)
         key = data[12:q.qend - 4].lower() + data[q.qend - 4:q.qend - 2]
-        entry = view.memo.get(key) or self._carry(view, key)
+        entry = view.memo.get(key) or self._memo_miss(view, key)
         if entry is not None:
             return self._render_entry(q, entry)
         zone = names.zone_of(q.labels, view.zones)
         if zone is None:
             return await self._forward(q, remember=True)
-        ans = view.lookup(q.labels, qtype)
+        try:
+            ans = view.lookup(q.labels, qtype, big_ok=False)
+        except BigAnswer:
+            return self._render_entry(q, await self._big(view, q, key))
         if ans.rcode == NXDOMAIN:
             if self._fall is not None and self._falls_through(q.labels):
                 if self.forwarder is not None:
@@ -416,13 +361,31 @@ class Engine:
                     return reply
         if ans.chase is not None:
             return await self._chase_upstream(q, ans)
-        entry = self._entry(q, ans)
-        if entry.cacheable and view.synced and (ans.rcode != NXDOMAIN or self._nx_memoisable(q.labels, view)):
-            memo = view.memo
-            if len(memo) >= MEMO_LIMIT:
-                memo.clear()
-            memo[key] = entry
+        entry = self._entry_for(q.raw_labels, ans, q.qend - 5, view)
+        if ans.rcode != NXDOMAIN or self._nx_memoisable(q.labels, view):
+            self._remember(view, key, entry)
         return self._render_entry(q, entry)
+
+    async def _big(self, view: ZoneView, q: _Query, key: bytes) -> Entry:
+        """An answer from a big Service, built in a worker thread (the event loop keeps
+        answering: the interpreter switches threads every few ms) and only as far as a reply
+        can carry (pack_body's budget). Concurrent askers of one name share the build."""
+        building = self._building.get((id(view), key))
+        if building is None:
+            loop = asyncio.get_running_loop()
+            building = loop.run_in_executor(None, self._big_entry, view, q.labels, q.raw_labels, q.qtype)
+            self._building[(id(view), key)] = building
+            try:
+                entry = await building
+            finally:
+                self._building.pop((id(view), key), None)
+            if entry.cacheable and view.synced:
+                view.memo[key] = entry      # straight to the memo: it cost a build
+            return entry
+        return await asyncio.shield(building)
+
+    def _big_entry(self, view: ZoneView, labels: Labels, raw: tuple[bytes, ...], qtype: int) -> Entry:
+        return self._entry_for(raw, view.lookup(labels, qtype), None, view)
 
     @staticmethod
     def _view_serial(ans: Answer) -> int:
@@ -443,30 +406,43 @@ class Engine:
                 return None
             if entry.serial is not None and entry.serial != view.serial:
                 entry = entry.with_serial(view.serial)
-            if len(view.memo) >= MEMO_LIMIT:
-                view.memo.clear()
             view.memo[key] = entry
             return entry
         return None
 
     def _entry(self, q: _Query, ans: Answer) -> Entry:
-        return self._entry_for(q.raw_labels, ans)
+        return self._entry_for(q.raw_labels, ans, None, self._view)
 
-    def _entry_for(self, raw_labels: tuple[bytes, ...], ans: Answer) -> Entry:
+    def _entry_for(self, raw_labels: tuple[bytes, ...], ans: Answer, end: int | None = None,
+                   view: ZoneView | None = None) -> Entry:
+        """Pack a zone answer for the question `raw_labels` (its name ends at offset `end`
+        of the message: negative answers then take the zone's SOA template)."""
+        view = view or self._view
         lower = tuple(l.lower() for l in raw_labels)
         flags = QR | AA | ans.rcode
         answer = ans.answer
-        zl = len(ans.zone)
-        if not zl or tuple(l.decode("latin-1") for l in lower[len(lower) - zl:]) != ans.zone:
+        zone = ans.zone
+        zl = len(zone)
+        if not zl or tuple(l.decode("latin-1") for l in lower[len(lower) - zl:]) != zone:
             zl = None
+        negative = not answer and len(ans.authority) == 1 and not ans.additional
+        if negative:
+            serial = self._view_serial(ans)
+            if end is not None and zl is not None and view is self._view and ans.authority[0] is view.soa(zone) \
+                    and not _names_in_soa(lower, zl):
+                return Entry(flags, [self._soa_body(view, zone, raw_labels, end)], ans.cacheable, ans.dep, serial)
+            return Entry(flags, [pack_body(lower, (), ans.authority, (), zone_len=zl)], ans.cacheable, ans.dep,
+                         serial)
         first = pack_body(lower, answer, ans.authority, ans.additional, zone_len=zl)
         bodies = [first]
-        if len(answer) > 1:
+        if first.an > 1:
             bodies = _rotated(first) if not ans.authority and not ans.additional else None
             if bodies is None:
-                bodies = [pack_body(lower, v, ans.authority, ans.additional, zone_len=zl) for v in rotations(answer)]
-        negative = not ans.answer and len(ans.authority) == 1 and not ans.additional
-        return Entry(flags, bodies, ans.cacheable, ans.dep, self._view_serial(ans) if negative else None)
+                bodies = [first]
+                if isinstance(answer, list):
+                    bodies = [pack_body(lower, v, ans.authority, ans.additional, zone_len=zl)
+                              for v in rotations(answer)]
+        return Entry(flags, bodies, ans.cacheable, ans.dep, None)
 
     def _nx_memoisable(self, labels: Labels, view: ZoneView) -> bool:
         """An NXDOMAIN that is the same for every client: no fallthrough, no autopath may apply."""
@@ -565,8 +541,9 @@ class Engine:
             if ans.chase is not None:
                 continue   # an ExternalName leading outside: let the client walk on
             if ans.answer:
-                cname = RR(label_of(q.raw_labels), 5, ttl=ans.answer[0].ttl, rdata=dnslib.CNAME(zone_label(cand)))
-                ans.answer = [cname] + ans.answer
+                first_ttl = ans.answer[0].ttl if isinstance(ans.answer, list) else view.ttl
+                cname = RR(label_of(q.raw_labels), 5, ttl=first_ttl, rdata=dnslib.CNAME(zone_label(cand)))
+                ans.answer = chain_records([cname], ans.answer)
             entry = self._entry(q, ans)
             return self._render_entry(q, entry)
         return None
@@ -589,8 +566,10 @@ class Engine:
             if not _serial_newer(view.serial, soas[0].rdata.times[0]):
                 body = pack_body(tuple(l.lower() for l in q.raw_labels), [view.soa(zone)])
                 return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)]
-        return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP)
-                for body in xfr.transfer_bodies(view, zone, q.raw_labels)]
+        # a whole zone is big: built in a worker thread, so queries keep being answered meanwhile
+        bodies = await asyncio.get_running_loop().run_in_executor(None, xfr.transfer_bodies, view, zone,
+                                                                   q.raw_labels)
+        return [render(body, QR | AA, q.data, q.question, 1, self._opt_for(q), MAX_TCP) for body in bodies]
 
 
 def _rotated(body: Body) -> list[Body] | None:
@@ -613,26 +592,15 @@ def _rotated(body: Body) -> list[Body] | None:
     out = []
     for i in range(v):
         k = i * n // v
-        out.append(Body(b"".join(chunks[k:] + chunks[:k]), body.ends, n, 0, 0))
+        out.append(Body(b"".join(chunks[k:] + chunks[:k]), body.ends, n, 0, 0, cut=body.cut))
     return out
 
 
-def _svc_nx(view: ZoneView, rest: Labels) -> bool:
-    """Does the name `rest` + zone (rest ending in "svc") surely not exist? (ZoneView.lookup's rules)"""
-    p = names.parse(rest)
-    kind = p.kind
-    if kind == "nx":
-        return True
-    if kind in ("service", "endpoint", "port"):
-        sd = view.service(p.namespace, p.service)
-        if sd is None:
-            return True
-        if kind == "endpoint":
-            return sd.kind == "external" or not sd.by_name().get(p.endpoint)
-        return False
-    if kind == "namespace":
-        return not view.exposed(p.namespace)
-    return False
+def _names_in_soa(lower: tuple[bytes, ...], zone_len: int) -> bool:
+    """Is the question one of the SOA's own names (ns.dns.<zone>, hostmaster.<zone>)? Then the
+    SOA compresses onto the whole question and the per-position template does not apply."""
+    rest = lower[:len(lower) - zone_len]
+    return rest == (b"ns", b"dns") or rest == (b"hostmaster",)
 
 
 def label_of(raw: tuple[bytes, ...]) -> dnslib.DNSLabel:

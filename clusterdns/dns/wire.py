@@ -125,9 +125,13 @@ def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[
     in the zone are noted in `spots`.
     Packing stops once the records pass `budget` bytes (the sections may be generators):
     what no reply can carry is never built; the Body is then `cut` (replies set TC)."""
+    qname = tuple(qname)
+    if not authority and not additional and isinstance(answer, list) and len(answer) <= 64:
+        direct = _addresses_of(qname, answer)
+        if direct is not None:
+            return direct
     buf = _Buffer()
     buf.append(b"\x00" * 12)
-    qname = tuple(qname)
     buf.encode_name(DNSLabel(qname))
     zwire = b""
     if zone_len is not None:
@@ -163,6 +167,23 @@ def pack_body(qname: Sequence[bytes], answer: Iterable[RR], authority: Iterable[
                     break
         counts.append(k)
     return Body(bytes(buf.data[start:]), ends, *counts, tuple(spots), zl, cut)
+
+
+def _addresses_of(qname: tuple, answer: list) -> Body | None:
+    """pack_body() of an answer of A/AAAA records owned by the question, written directly:
+    each record is a pointer to the question and fixed fields (the common first answer)."""
+    chunks = []
+    for rr in answer:
+        rtype = rr.rtype
+        if (rtype != A and rtype != AAAA) or rr.rclass != 1 or tuple(rr.rname.label) != qname:
+            return None
+        rd = bytes(rr.rdata.data)
+        chunks.append(b"\xc0\x0c" + struct.pack(">HHIH", rtype, 1, rr.ttl, len(rd)) + rd)
+    ends, at = [], 0
+    for c in chunks:
+        at += len(c)
+        ends.append(at)
+    return Body(b"".join(chunks), ends, len(chunks), 0, 0)
 
 
 def ttl_offsets(body: Body) -> tuple[int, ...]:
@@ -235,6 +256,64 @@ def spell_zone(body: Body, question: bytes) -> bytes:
     return bytes(data)
 
 
+def read_query(data: bytes, tcp: bool, udp_size: int) -> tuple[int, int, int, int] | None:
+    """The byte-level reading of an ordinary query for the fast path, without a parse:
+    (end of the name, end of the question, EDNS, reply size limit), or None when the query
+    is anything else (a response, opcode != QUERY, other counts, class != IN, an OPT that is
+    not version 0 at the root or whose options do not fill it). EDNS: -1 without an OPT,
+    0 with one, 1 with the DO bit. Options (a COOKIE from dig and many resolvers) are
+    ignored, as RFC 6891 says for options one does not implement: we implement none, so
+    they are only checked to be well-formed."""
+    n = len(data)
+    if n < 17 or data[2] & 0xF8:          # QR set or opcode != QUERY
+        return None
+    end = data.find(b"\x00", 12)
+    if end < 0:
+        return None
+    qend = end + 5
+    counts = data[4:12]
+    if counts == b"\x00\x01\x00\x00\x00\x00\x00\x00":
+        if qend != n:
+            return None
+        edns, limit = -1, (MAX_TCP if tcp else MAX_UDP_PLAIN)
+    elif counts == b"\x00\x01\x00\x00\x00\x00\x00\x01":
+        # exactly one OPT: root owner, version 0 (extended rcode 0)
+        if n < qend + 11 or data[qend + 2] != 41 or data[qend] or data[qend + 1] or data[qend + 5] \
+                or data[qend + 6]:
+            return None
+        if n != qend + 11:
+            pos = qend + 11
+            if n != pos + (data[qend + 9] << 8 | data[qend + 10]):
+                return None
+            while pos < n:      # option TLVs must fill the OPT's data exactly
+                if pos + 4 > n:
+                    return None
+                pos += 4 + (data[pos + 2] << 8 | data[pos + 3])
+            if pos != n:
+                return None
+        elif data[qend + 9] or data[qend + 10]:
+            return None
+        edns = 1 if data[qend + 7] & 0x80 else 0
+        if tcp:
+            limit = MAX_TCP
+        else:
+            size = data[qend + 3] << 8 | data[qend + 4]
+            limit = MAX_UDP_PLAIN if size < MAX_UDP_PLAIN else (size if size < udp_size else udp_size)
+    else:
+        return None
+    if data[end + 3] or data[end + 4] != 1:     # class IN only
+        return None
+    return end, qend, edns, limit
+
+
+def splice(body: Body, flags: int, data: bytes, qend: int, opt: bytes) -> bytes:
+    """A reply that needs no truncation and no zone spelling: the query's ID, `flags` with its
+    RD/CD, counts, the query's question bytes, the body, the OPT (the fast path's join)."""
+    return b"".join((data[:2], struct.pack(">HHHHH", flags | ((data[2] << 8 | data[3]) & QUERY_FLAGS), 1,
+                                           body.an, body.ns, body.ar + (1 if opt else 0)),
+                     data[12:qend], body.data, opt))
+
+
 def question_end(data: bytes) -> int:
     """Offset just past the first question (name, type, class); -1 if malformed or compressed."""
     pos = 12
@@ -285,4 +364,4 @@ def rotations(answer: list[RR], max_variants: int = 8) -> list[list[RR]]:
 
 
 __all__ = ["Body", "Entry", "pack_body", "ttl_offsets", "with_ttl", "render", "opt_record", "question_end", "qname_labels",
-           "udp_limit", "rotations", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]
+           "udp_limit", "rotations", "read_query", "splice", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import gc
 import ipaddress
-from typing import Callable
+from typing import Callable, Iterator
 
+import cachetools
 from dnslib import AAAA as RD_AAAA
 from dnslib import CNAME as RD_CNAME
 from dnslib import NS as RD_NS
@@ -31,12 +32,46 @@ from .names import Labels, Selector
 from .wire import AAAA, ANY, CNAME, NOERROR, NS, NXDOMAIN, PTR, SERVFAIL, SOA, SRV, TXT, A
 
 SCHEMA_VERSION = "1.1.0"
+MEMO_LIMIT = 100_000      # prebuilt answers asked more than once, per state version (least recently used go)
+PROBATION_LIMIT = 20_000  # answers asked once so far: a flood of new names churns only these
+BIG = 200                 # endpoints or ports beyond which a Service's records are made lazily
 VERSION_TTL = 28800
 HINFO_RDATA = RD(b"\x07RFC8482\x00")   # RFC 8482 section 4.2: the minimal answer to ANY
 
 
 def label(parts: Labels) -> DNSLabel:
     return DNSLabel(tuple(p.encode("latin-1") for p in parts))
+
+
+class BigAnswer(Exception):
+    """lookup(big_ok=False) met a big Service: build the answer where it cannot stall others."""
+
+
+class Lazy:
+    """Records of a big Service, made only as they are packed (wire.pack_body stops at its
+    budget, so a reply never costs more than what it can carry). Iterable again and again."""
+    __slots__ = ("make", "nonempty")
+
+    def __init__(self, make: Callable[[], Iterator[RR]], nonempty: bool) -> None:
+        self.make, self.nonempty = make, nonempty
+
+    def __iter__(self) -> Iterator[RR]:
+        return self.make()
+
+    def __bool__(self) -> bool:
+        return self.nonempty
+
+
+def chain(first: list, rest) -> "list | Lazy":
+    """first + rest, lazily when rest is Lazy."""
+    if isinstance(rest, Lazy):
+        return Lazy(lambda: _chain(first, rest), bool(first) or rest.nonempty)
+    return first + rest
+
+
+def _chain(first: list, rest: Lazy) -> Iterator[RR]:
+    yield from first
+    yield from rest
 
 
 class Answer:
@@ -76,7 +111,8 @@ _ENT = _Res(has_data=False)
 
 class ServiceData:
     """What DNS needs of one Service and its EndpointSlices; reused while both are unchanged."""
-    __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "ready", "_by_name", "_eps_by_name", "target")
+    __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "ready", "_by_name", "_eps_by_name", "target",
+                 "srv_count", "port_entries", "port_counts", "big", "_families")
 
     def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool):
         self.svc, self.slices = svc, slices
@@ -93,11 +129,15 @@ class ServiceData:
             self.target = ()
         self.ips4 = tuple(ip for ip in svc.cluster_ips if ":" not in ip)
         self.ips6 = tuple(ip for ip in svc.cluster_ips if ":" in ip)
-        ready = []    # (endpoint name, address, ports of its slice)
+        ready: list[tuple] = []    # (endpoint name, address, ports of its slice)
+        # SRV weights need the number of matches before de-duplication: counted per slice here
+        srv_count = port_entries = 0
+        port_counts: dict[tuple[str, str], int] = {}
         if not noendpoints and self.kind != "external":
             for sl in slices:
                 if sl.address_type not in (IPV4, IPV6):
                     continue
+                before = len(ready)
                 for ep in sl.endpoints:
                     if not ep.ready:
                         continue
@@ -110,7 +150,18 @@ class ServiceData:
                         else:
                             name = names.endpoint_name(host, ep.pod_name, ip, pod_names)
                         ready.append((name, ip, sl.ports))
+                k = len(ready) - before
+                if k:
+                    srv_count += k * max(1, len(sl.ports))
+                    port_entries += k * len(sl.ports)
+                    for p in sl.ports:
+                        if p.name:
+                            pk = (p.name.lower(), p.protocol.lower())
+                            port_counts[pk] = port_counts.get(pk, 0) + k
         self.ready = tuple(ready)
+        self.srv_count, self.port_entries, self.port_counts = srv_count, port_entries, port_counts
+        self.big = len(ready) > BIG or len(svc.ports) > BIG
+        self._families: tuple[bool, bool] | None = None
         self._by_name: dict[str, list[str]] | None = None
         self._eps_by_name: dict[str, list[tuple]] | None = None
 
@@ -141,6 +192,27 @@ class ServiceData:
                 seen[ip] = None
         return list(seen)
 
+    def iter_ready_ips(self, v6: bool) -> Iterator[str]:
+        """ready_ips(), made as consumed."""
+        seen: set[str] = set()
+        for _, ip, _ in self.ready:
+            if (":" in ip) == v6 and ip not in seen:
+                seen.add(ip)
+                yield ip
+
+    def has_family(self, v6: bool) -> bool:
+        if self._families is None:
+            has4 = has6 = False
+            for _, ip, _ in self.ready:
+                if ":" in ip:
+                    has6 = True
+                else:
+                    has4 = True
+                if has4 and has6:
+                    break
+            self._families = (has4, has6)
+        return self._families[1 if v6 else 0]
+
 
 def _match(want: str, have: str) -> bool:
     return want == have.lower()
@@ -169,7 +241,9 @@ class ZoneView:
         self.zones = sorted(zones, key=len, reverse=True)
         forward = [z for z in zones if not names.is_reverse(z)]
         self.primary: Labels = forward[0] if forward else zones[0]
-        self.memo: dict[bytes, object] = {}
+        # prebuilt answers (the engine's): asked again -> memo, asked once so far -> probation
+        self.memo: cachetools.LRUCache = cachetools.LRUCache(MEMO_LIMIT)
+        self.probation: cachetools.LRUCache = cachetools.LRUCache(PROBATION_LIMIT)
         self._soas: dict[Labels, RR] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None
@@ -286,7 +360,9 @@ class ZoneView:
         r = self._exposed.get(ns)
         if r is None:
             r = self._compute_exposed(ns)
-            self._exposed[ns] = r
+            # remembered for namespaces that exist only: asking unique names must not grow it
+            if ns in self.state.namespaces or ns in self.svc_namespaces:
+                self._exposed[ns] = r
         return r
 
     def _compute_exposed(self, ns: str) -> bool:
@@ -331,12 +407,48 @@ class ZoneView:
                 (self.serial, 7200, 1800, 86400, self.ttl)))
         return rr
 
+    def _addr_lazy(self, owner: DNSLabel, ips: Callable[[], Iterator[str]], qtype: int, nonempty: bool) -> "Lazy":
+        if qtype not in (A, AAAA):
+            return Lazy(lambda: iter(()), False)
+        ttl, rd, v6 = self.ttl, (RD_AAAA if qtype == AAAA else RD_A), qtype == AAAA
+
+        def make() -> Iterator[RR]:
+            for ip in ips():
+                if (":" in ip) == v6:
+                    yield RR(owner, qtype, ttl=ttl, rdata=rd(ip))
+        return Lazy(make, nonempty)
+
     def _addr(self, owner: DNSLabel, ips, qtype: int) -> list[RR]:
         if qtype == A:
             return [RR(owner, A, ttl=self.ttl, rdata=RD_A(ip)) for ip in ips if ":" not in ip]
         if qtype == AAAA:
             return [RR(owner, AAAA, ttl=self.ttl, rdata=RD_AAAA(ip)) for ip in ips if ":" in ip]
         return []
+
+    def _srv_lazy(self, owner: DNSLabel, entries: Callable[[], Iterator[tuple]], count: int,
+                  with_port: bool) -> tuple[Lazy, Lazy]:
+        """_srv() for a big Service: `entries` makes the (target, address, port) entries again
+        on each call, `count` is how many there are (weights), `with_port` whether any has a port."""
+        weight = max(1, 100 // count) if count else 100
+        ttl = self.ttl
+
+        def srvs() -> Iterator[RR]:
+            seen = set()
+            for target, _ip, port in entries():
+                if port is not None and (target, port) not in seen:
+                    seen.add((target, port))
+                    yield RR(owner, SRV, ttl=ttl, rdata=RD_SRV(0, weight, port, label(target)))
+
+        def glue() -> Iterator[RR]:
+            seen = set()
+            for target, ip, port in entries():
+                if port is not None and (target, ip) not in seen:
+                    seen.add((target, ip))
+                    if ":" in ip:
+                        yield RR(label(target), AAAA, ttl=ttl, rdata=RD_AAAA(ip))
+                    else:
+                        yield RR(label(target), A, ttl=ttl, rdata=RD_A(ip))
+        return Lazy(srvs, with_port), Lazy(glue, with_port)
 
     def _srv(self, owner: DNSLabel, entries: list[tuple[Labels, str, int | None]]) -> tuple[list, list]:
         """SRV records and glue from (target, address, port) entries, weighted as CoreDNS does."""
@@ -361,15 +473,18 @@ class ZoneView:
 
     # --- lookup ------------------------------------------------------------------------
 
-    def lookup(self, q: Labels, qtype: int) -> Answer:
-        """Answer (q, qtype) for a name inside one of the served zones."""
+    def lookup(self, q: Labels, qtype: int, big_ok: bool = True) -> Answer:
+        """Answer (q, qtype) for a name inside one of the served zones.
+
+        `big_ok=False`: raise BigAnswer instead of answering from a big Service (one with
+        more than BIG endpoints or ports), whose records are then made lazily."""
         zone = names.zone_of(q, self.zones)
         if zone is None:
             raise ValueError("name outside the served zones")
         if names.is_reverse(zone):
             res = self._reverse_node(q, zone, qtype)
         else:
-            res = self._forward_node(q, zone, qtype)
+            res = self._forward_node(q, zone, qtype, big_ok)
         if res is None:
             rcode = NXDOMAIN if self.synced else SERVFAIL
             return Answer(rcode, [], [self.soa(zone)], zone=zone, cacheable=self.synced)
@@ -380,7 +495,7 @@ class ZoneView:
             if qtype in (CNAME, ANY):
                 answer, additional = [cname], []
             elif qtype in (A, AAAA):
-                answer, additional, chase = self._chase(q, res.cname, qtype, cname)
+                answer, additional, chase = self._chase(q, res.cname, qtype, cname, big_ok)
             else:
                 answer, additional = [], []
         elif qtype == ANY:
@@ -393,7 +508,8 @@ class ZoneView:
         return Answer(NOERROR, answer, authority, additional, cacheable=res.cacheable and chase is None,
                       chase=chase, zone=zone, dep=dep)
 
-    def _chase(self, q: Labels, target: Labels, qtype: int, cname: RR) -> tuple[list, list, Labels | None]:
+    def _chase(self, q: Labels, target: Labels, qtype: int, cname: RR,
+               big_ok: bool = True) -> tuple["list | Lazy", list, Labels | None]:
         """Follow an ExternalName CNAME inside the zones (limit 10, loops dropped)."""
         answer = [cname]
         seen = {q}
@@ -405,23 +521,30 @@ class ZoneView:
             if zone is None:
                 return answer, [], target
             res = (self._reverse_node(target, zone, qtype) if names.is_reverse(zone)
-                   else self._forward_node(target, zone, qtype))
+                   else self._forward_node(target, zone, qtype, big_ok))
             if res is None:
                 return answer, [], None
             if res.cname is None:
-                return answer + res.answer, [], None
+                return chain(answer, res.answer), [], None
             answer.append(RR(label(target), CNAME, ttl=self.ttl, rdata=RD_CNAME(label(res.cname))))
             target = res.cname
         return answer, [], None
 
-    def _forward_node(self, q: Labels, zone: Labels, qtype: int) -> _Res | None:
+    def _forward_node(self, q: Labels, zone: Labels, qtype: int, big_ok: bool = True) -> _Res | None:
         p = names.parse(q[:len(q) - len(zone)])
         kind = p.kind
-        owner = label(q)
+        if kind == "nx":
+            return None
         if kind in ("service", "endpoint", "port"):
             sd = self.service(p.namespace, p.service)
             if sd is None:
                 return None
+            if sd.big and not big_ok:
+                raise BigAnswer(sd.svc.key)
+        if kind in ("namespace", "ent", "dnsent"):
+            return _ENT if kind != "namespace" or self.exposed(p.namespace) else None
+        owner = label(q)
+        if kind in ("service", "endpoint", "port"):
             if kind == "service":
                 res = self._service_node(sd, owner, zone, qtype)
             elif sd.kind == "external":
@@ -457,10 +580,6 @@ class ZoneView:
             return _Res()
         if kind == "nsname":
             return _Res(self._addr(owner, self._own_addresses(), qtype), cacheable=False)
-        if kind in ("ent", "dnsent"):
-            return _ENT
-        if kind == "namespace":
-            return _ENT if self.exposed(p.namespace) else None
         if kind == "podns":
             return _ENT if self.cfg.pods != "disabled" and self.exposed(p.namespace) else None
         if kind == "pod":
@@ -476,16 +595,28 @@ class ZoneView:
                 return _Res(self._addr(owner, svc.cluster_ips, qtype))
             if qtype == SRV:
                 target = (svc.name, svc.namespace, "svc") + zone
+                if sd.big:
+                    return _Res(*self._srv_lazy(owner, lambda: ((target, ip, p.port) for p in svc.ports
+                                                                for ip in svc.cluster_ips),
+                                                len(svc.ports) * len(svc.cluster_ips), bool(svc.ports)))
                 entries = [(target, ip, p.port) for p in svc.ports for ip in svc.cluster_ips]
                 return _Res(*self._srv(owner, entries))
             return _Res()
         # headless: the ready endpoints
-        if qtype == A:
-            return _Res(self._addr(owner, sd.ready_ips(False), A))
-        if qtype == AAAA:
-            return _Res(self._addr(owner, sd.ready_ips(True), AAAA))
+        if qtype in (A, AAAA):
+            v6 = qtype == AAAA
+            if sd.big:
+                return _Res(self._addr_lazy(owner, lambda: sd.iter_ready_ips(v6), qtype, sd.has_family(v6)))
+            return _Res(self._addr(owner, sd.ready_ips(v6), qtype))
         if qtype == SRV:
             base = (svc.name, svc.namespace, "svc") + zone
+            if sd.big:
+                def entries() -> Iterator[tuple]:
+                    for name, ip, ports in sd.ready:
+                        t = (name,) + base
+                        for p in ports:
+                            yield t, ip, p.port
+                return _Res(*self._srv_lazy(owner, entries, sd.srv_count, sd.port_entries > 0))
             entries = []
             for name, ip, ports in sd.ready:
                 if not ports:
@@ -508,6 +639,21 @@ class ZoneView:
             # CoreDNS answers the port name's address queries with the ClusterIPs.
             return _Res(self._addr(owner, svc.cluster_ips, qtype))
         base = (svc.name, svc.namespace, "svc") + zone
+        if sd.big:
+            count = sd.port_counts.get((port, proto), 0)
+            if not count:
+                return None
+
+            def matching() -> Iterator[tuple]:
+                for name, ip, ports in sd.ready:
+                    for p in ports:
+                        if p.name and _match(port, p.name) and _match(proto, p.protocol):
+                            yield (name,) + base, ip, p.port
+            if qtype == SRV:
+                return _Res(*self._srv_lazy(owner, matching, count, True))
+            v6 = qtype == AAAA
+            nonempty = any((":" in ip) == v6 for _, ip, _ in matching())     # stops at the first
+            return _Res(self._addr_lazy(owner, lambda: _unique(ip for _, ip, _ in matching()), qtype, nonempty))
         entries = [((name,) + base, ip, p.port) for name, ip, ports in sd.ready for p in ports
                    if p.name and _match(port, p.name) and _match(proto, p.protocol)]
         if not entries:
@@ -597,6 +743,14 @@ class ZoneView:
             answer = [RR(owner, NS, ttl=self.ttl, rdata=RD_NS(label(target)))]
             glue = self._addr(label(target), mine, A) + self._addr(label(target), mine, AAAA)
         return answer, glue
+
+
+def _unique(items) -> Iterator:
+    seen = set()
+    for x in items:
+        if x not in seen:
+            seen.add(x)
+            yield x
 
 
 def _index_add(table: dict, tag: str, ip: str, item: tuple, copied: set | None) -> None:

@@ -1,0 +1,101 @@
+"""Big answers never stall the server (real sockets, the in-process server).
+
+A headless Service with 50,000 endpoints and a Service with 5,000 ports: their
+first SRV answers are built off the event loop and only as far as a reply can
+carry. While one is being built, other queries keep being answered: the test
+asserts on ordering (a small query sent after the big one is answered before
+it), not on a clock. UDP replies never exceed 1232 bytes; TCP carries more, and
+both set TC for what does not fit.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import pytest
+
+from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
+
+N_ENDPOINTS = 50_000
+N_PORTS = 5_000
+
+
+def records():
+    base = int(ipaddress.ip_address("10.8.0.0"))
+    eps = tuple(Endpoint((str(ipaddress.ip_address(base + 1 + i)),)) for i in range(N_ENDPOINTS))
+    return [
+        ("Service", Service("big", "hl", headless=True)),
+        ("EndpointSlice", EndpointSlice("big", "hl-1", "hl", "IPv4", eps, (EndpointPort("http", "TCP", 8080),))),
+        ("Service", Service("big", "ports", cluster_ips=("10.96.200.1",),
+                            ports=tuple(ServicePort(f"p{i}", "TCP", 1000 + i) for i in range(N_PORTS)))),
+        ("Service", Service("big", "small", cluster_ips=("10.96.200.2",), ports=(ServicePort("http", "TCP", 80),))),
+    ]
+
+
+@pytest.fixture
+def server(h):
+    srv = h.LiveServer(records())
+    yield srv
+    srv.close()
+
+
+def udp_ask(sock: socket.socket, port: int, name: str, rdtype: str, qid: int, **kw) -> None:
+    q = dns.message.make_query(name, rdtype, **kw)
+    q.id = qid
+    sock.sendto(q.to_wire(), ("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("name", ["hl.big.svc.cluster.local", "_http._tcp.hl.big.svc.cluster.local",
+                                  "ports.big.svc.cluster.local"])
+def test_other_queries_are_answered_while_a_big_answer_is_built(server, name):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(10)
+        udp_ask(s, server.port, name, "SRV", 1, use_edns=0, payload=4096)
+        for i in range(2, 6):       # sent after the big question
+            udp_ask(s, server.port, "small.big.svc.cluster.local", "A", i)
+        order, big = [], None
+        while big is None or len(order) < 5:
+            data = s.recv(65535)
+            qid = struct.unpack("!H", data[:2])[0]
+            order.append(qid)
+            if qid == 1:
+                big = data
+    assert order.index(1) > 0, f"the big answer held the small ones back: {order}"
+    m = dns.message.from_wire(big)
+    assert len(big) <= 1232 and m.flags & dns.flags.TC and m.rcode() == dns.rcode.NOERROR
+    assert m.answer and all(rd.port for rd in m.answer[0])
+    # asked again: the prebuilt answer, byte for byte the same but for the ID
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(10)
+        udp_ask(s, server.port, name, "SRV", 1, use_edns=0, payload=4096)
+        assert s.recv(65535) == big
+
+
+@pytest.mark.parametrize("name", ["hl.big.svc.cluster.local", "ports.big.svc.cluster.local"])
+def test_big_answers_fill_udp_and_tcp_limits(server, name):
+    plain = server.query(name, "SRV")
+    edns = server.query(name, "SRV", use_edns=0, payload=65000)
+    tcp = server.query(name, "SRV", tcp=True)
+    for m, limit in ((plain, 512), (edns, 1232), (tcp, 65535)):
+        assert m.flags & dns.flags.TC, "not every record fits: TC"
+        assert len(m.to_wire()) <= limit
+        assert m.answer[0].rdtype == dns.rdatatype.SRV
+    n_udp, n_tcp = len(edns.answer[0]), len(tcp.answer[0])
+    assert 10 < n_udp < n_tcp and n_tcp > 500
+    assert n_tcp < N_PORTS      # cut at what a TCP message carries, not every record built
+
+
+def test_big_address_answers(server):
+    m = server.query("hl.big.svc.cluster.local", "A", use_edns=0)
+    assert m.flags & dns.flags.TC and len(m.to_wire()) <= 1232 and len(m.answer[0]) > 50
+    m = server.query("hl.big.svc.cluster.local", "AAAA")
+    assert m.rcode() == dns.rcode.NOERROR and not m.answer          # NODATA: no IPv6 endpoint
+    m = server.query("10-8-0-7.hl.big.svc.cluster.local", "A")
+    assert [rd.address for rd in m.answer[0]] == ["10.8.0.7"]
+    m = server.query("7.0.8.10.in-addr.arpa", "PTR")
+    assert [rd.target.to_text() for rd in m.answer[0]] == ["10-8-0-7.hl.big.svc.cluster.local."]
