@@ -468,7 +468,8 @@ async def test_event_batcher_groups_what_arrives_together_and_delays_little():
 
 # -- a silent API server -------------------------------------------------------
 
-PROBE_FAST = {"probe_interval": 0.2, "probe_retry": 0.1, "probe_timeout": 0.3}
+# Short, but a probe answered slowly on a loaded machine must not look like a stall.
+PROBE_FAST = {"probe_interval": 0.3, "probe_retry": 0.2, "probe_timeout": 1.0}
 
 
 def test_watch_read_timeout_follows_the_bookmarks_the_server_sends():
@@ -508,7 +509,7 @@ async def test_stuck_server_is_noticed_by_the_probe_and_watches_resume_from_thei
         rv = src.reflectors["services"].resource_version
         served = store.current
         await call(api.stall)
-        await eventually(lambda: not src.api_ok, timeout=3, what="stall declared")
+        await eventually(lambda: not src.api_ok, timeout=6, what="stall declared")
         assert sample("clusterdns_kube_api_up") == 0
         assert sample("clusterdns_kube_api_outages_total", reason="timeout") == outages + 1
         await asyncio.sleep(0.5)
@@ -516,7 +517,7 @@ async def test_stuck_server_is_noticed_by_the_probe_and_watches_resume_from_thei
         watches = len(api.requests_for("services", "watch"))
         await call(api.add, service("testapp", "after-stall", "10.0.0.4"))
         api.unstall()
-        await eventually(lambda: "after-stall" in names(store), timeout=3, what="resume after the stall")
+        await eventually(lambda: "after-stall" in names(store), timeout=5, what="resume after the stall")
         assert src.api_ok and sample("clusterdns_kube_api_up") == 1
         resumed = api.requests_for("services", "watch")[watches:]
         assert resumed and resumed[-1].params["resourceVersion"] == rv
@@ -532,12 +533,12 @@ async def test_outage_ends_when_the_probe_gets_an_answer_not_after_the_backoff(a
         await asyncio.wait_for(src.synced.wait(), 5)
         await eventually(lambda: api.open_watches() == 3, what="watches")
         await call(api.stop)
-        await eventually(lambda: not src.api_ok, timeout=3, what="outage declared")
+        await eventually(lambda: not src.api_ok, timeout=6, what="outage declared")
         assert sample("clusterdns_kube_api_outages_total", reason="connection") == outages + 1
         await asyncio.sleep(0.5)
         await call(api.start)
         await call(api.add, service("testapp", "back", "10.0.0.5"))
-        await eventually(lambda: "back" in names(store), timeout=3, what="change after the outage")
+        await eventually(lambda: "back" in names(store), timeout=5, what="change after the outage")
         assert src.api_ok
     assert len(api.requests_for("services", "list")) == 1
 
@@ -602,7 +603,7 @@ async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_end
         stall_end = time.monotonic() + 20
         await call(api.stall, 20)
         # Meanwhile: the last state answers, /ready names the trouble, the gauge shows it.
-        stalled_seen = False
+        noticed = None
         while time.monotonic() < stall_end - 0.3:
             assert await resolve(agent, "a") == ("NOERROR", ["10.0.0.1"])
             assert await resolve(agent, "b") == ("NOERROR", ["10.0.0.2"])
@@ -610,9 +611,9 @@ async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_end
             if status == 503:
                 assert "kube API not answering" in text, text
                 assert sample("clusterdns_kube_api_up") == 0
-                stalled_seen = True
+                noticed = noticed or 20 - (stall_end - time.monotonic())
             await asyncio.sleep(0.5)
-        assert stalled_seen, "/ready never reported the stalled API server"
+        assert noticed is not None, "/ready never reported the stalled API server"
         assert sample("clusterdns_kube_api_outages_total", reason="timeout") == outages + 1
         assert agent.store.current.version == version     # nothing published while stuck
         while api.stalling:
@@ -623,7 +624,8 @@ async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_end
         assert sample("clusterdns_kube_api_up") == 1
     # Resumed from the last versions: no re-list.
     assert len(api.requests_for("services", "list")) == lists
-    print(f"change made at the end of a 20 s stall answered after {took:.2f}s")
+    print(f"stall noticed by /ready after {noticed:.1f}s; "
+          f"change made at the end of the 20 s stall answered after {took:.2f}s")
 
 
 async def test_agent_serves_a_change_made_when_the_api_returns_within_3s(api, kubeconfig):
