@@ -107,6 +107,9 @@ class Agent:
         health.add_ready_check("dns", lambda: self.dns is not None and self.dns.synced)
         # The kube source's liveness probe: the state served is frozen while it fails.
         health.add_ready_check("kube API not answering", lambda: getattr(self.source, "api_ok", True))
+        # a manifest file refused (emptied, lost most objects) or broken: the last good content is served
+        health.add_ready_check("manifest not loaded (see log)",
+                               lambda: not getattr(self.source, "problems", list)())
 
     # -- building blocks
     def _make_proxier(self):
@@ -182,8 +185,10 @@ class Agent:
             health.lameduck = self.health.lameduck
         self.health = health
 
-    def _start_source(self) -> None:
-        self.source = make_source(self.cfg, self.store)
+    def _start_source(self, strict: bool = True) -> None:
+        # strict at start (a broken manifest is exit 2); not on reload, where a path that
+        # does not exist yet must not end the source: it keeps polling, the last state stays
+        self.source = make_source(self.cfg, self.store, strict=strict)
         self._spawn("source", self.source.run())
 
     def _start_proxier(self) -> None:
@@ -355,7 +360,7 @@ class Agent:
                 if task is not None:
                     task.cancel()
                     await _quiet(task)
-                self._start_source()
+                self._start_source(strict=False)
             if changed & PROXY_FIELDS:
                 self.view.follow = new.proxy_mode == "none"
                 if self.view.follow:

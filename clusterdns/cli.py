@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 from .config import load
@@ -22,12 +23,19 @@ def setup_logging(level: str) -> None:
         stream=sys.stderr)
 
 
+# Commands that build a state, print and exit: their process needs no orderly teardown.
+ONE_SHOT = ("rules", "trace")
+_ran: str = ""
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _ran
     try:
         cfg = load(argv)
     except ConfigError as exc:
         print(f"clusterdns: {exc}", file=sys.stderr)
         return 2
+    _ran = cfg.command
     setup_logging(cfg.log_level)
     module = importlib.import_module(f"clusterdns.commands.{cfg.command}")
     try:
@@ -39,5 +47,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `clusterdns` program: main(), and after a one-shot command an exit that
+    skips freeing the state object by object (~0.3 s at 10,000 Services x 10)."""
+    code = main()
+    if _ran in ONE_SHOT:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:   # a closed pipe: nothing more can be said
+            code = code or 1
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -32,6 +32,9 @@ class Config:
     manifest: tuple[str, ...] = ()
     kubeconfig: str = ""
     demo: bool = False                     # no source given: the embedded demo cluster
+    manifest_max_bytes: int = 256 * 1024 * 1024   # a bigger manifest file is refused
+    manifest_max_objects: int = 1_000_000         # objects in one manifest file
+    manifest_allow_shrink: bool = False           # accept a reload that empties a file or loses most objects
     # DNS
     listen: tuple[str, ...] = ()           # empty: derived, see listen_addresses()
     zones: tuple[str, ...] = ("cluster.local", "in-addr.arpa", "ip6.arpa")
@@ -149,6 +152,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--config", dest="config_file", metavar="FILE", default=S, help="YAML file with the same keys as the flags")
     a("--manifest", action="append", metavar="PATH", default=S, help="read state from this file (repeatable)")
+    a("--manifest-max-bytes", type=int, metavar="BYTES", default=S,
+      help="refuse a manifest file bigger than this (default 256 MiB)")
+    a("--manifest-max-objects", type=int, metavar="N", default=S,
+      help="refuse a manifest file holding more objects (default 1,000,000)")
+    a("--manifest-allow-shrink", action="store_true", default=S,
+      help="accept a reloaded manifest that is empty or lost most of its objects")
     a("--kubeconfig", metavar="PATH", default=S, help="read state from a cluster (also KUBECONFIG, in-cluster)")
     a("--listen", action="append", metavar="HOST:PORT", default=S, help="DNS address, UDP and TCP (repeatable)")
     a("--zone", dest="zones", action="append", metavar="ZONE", default=S,
@@ -261,6 +270,10 @@ def _validate(cfg: Config) -> Config:
 
     if not 0 <= cfg.ttl <= 3600:
         err(f"--ttl {cfg.ttl}: must be between 0 and 3600")
+    if not isinstance(cfg.manifest_max_bytes, int) or cfg.manifest_max_bytes < 1:
+        err(f"--manifest-max-bytes {cfg.manifest_max_bytes}: must be a positive number of bytes")
+    if not isinstance(cfg.manifest_max_objects, int) or cfg.manifest_max_objects < 1:
+        err(f"--manifest-max-objects {cfg.manifest_max_objects}: must be a positive number")
     if cfg.pods not in POD_MODES:
         err(f"--pods {cfg.pods!r}: must be one of {', '.join(POD_MODES)}")
     if cfg.proxy_mode not in PROXY_MODES:

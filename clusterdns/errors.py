@@ -21,7 +21,8 @@ class ConfigError(InputError, ValueError):
 class ManifestError(InputError):
     """A manifest file that cannot be read or parsed at all."""
 
-    def __init__(self, path: str, line: int | None, reason: str) -> None:
+    def __init__(self, path: str, line: int | None, reason: str, transient: bool = False) -> None:
         self.path, self.line, self.reason = path, line, reason
+        self.transient = transient   # the read failed (retry it), not the content
         where = f"{path}:{line}" if line else path
         super().__init__(f"{where}: {reason}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..state import ClusterState, StateStore
-from .manifest import DEMO_MANIFEST, ManifestSource, load_files, publish, report_skipped
+from .manifest import DEMO_MANIFEST, ManifestSource, limits_from, load_files, publish, report_skipped
 
 
 def manifest_paths(cfg: Config) -> list[str]:
@@ -17,22 +17,24 @@ def load_once(cfg: Config) -> ClusterState:
         from .kube import list_once  # imported lazily: the client is slow to import
         list_once(cfg, store)
         return store.current
-    records, skipped = load_files(manifest_paths(cfg))
+    records, skipped = load_files(manifest_paths(cfg), limits_from(cfg))   # in this process: fastest
     report_skipped(skipped)
     publish(store, records)
     return store.current
 
 
-def make_source(cfg: Config, store: StateStore):
+def make_source(cfg: Config, store: StateStore, strict: bool = True):
     """A long-running source with `run()` (a coroutine) feeding the store.
 
-    Manifest files are checked once up front so that an unreadable file is a
-    usage error (exit 2), not a silent empty cluster.
+    strict (a command's start): manifest files are read once up front, so that
+    an unreadable file is a usage error (exit 2), not a silent empty cluster.
+    Not strict (a reload): nothing is read here; the source keeps polling, and
+    the store keeps the last good state until every file has loaded.
     """
     if cfg.kubeconfig:
         from .kube import KubeSource
         return KubeSource(cfg, store)
-    paths = manifest_paths(cfg)
-    source = ManifestSource(store, paths)
-    source.load(strict=True)  # raises ManifestError; read and converted once (10,000 services: ~3 s each time)
+    source = ManifestSource(store, manifest_paths(cfg), limits=limits_from(cfg))
+    if strict:
+        source.load(strict=True)  # raises ManifestError
     return source

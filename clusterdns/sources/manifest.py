@@ -2,31 +2,72 @@
 
 A file holds a `kind: List` with `items`, a single object, or a multi-document
 YAML stream, as `kubectl get ... -o yaml` prints them. A changed file is
-reloaded; a broken one is reported (file, line, reason) and its last good
-content kept. Invalid objects are skipped with a warning and a metric.
+reloaded once it has settled; a broken one is reported (file, line, reason)
+and its last good content kept. Invalid objects are skipped with a warning and
+a metric.
+
+Reading is bounded (Limits): file size, object count, nesting (the parsers'
+own bounds) and YAML alias expansion. The long-running source parses in a
+child process and streams the converted records back in small chunks, so a
+big file never holds the event loop (DNS keeps answering the last good state)
+and the parse's peak memory goes away with the child.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
+import pickle
+import re
+import struct
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable
-
-import yaml
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import metrics
 from ..errors import ManifestError
 from ..model import KINDS
-from ..state import StateStore
+from ..state import StateStore, record_key
 from .objects import API_VERSIONS, InvalidObject, convert, object_name
 
 log = logging.getLogger(__name__)
 
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+try:   # a Rust YAML 1.2 parser: ~20x faster than PyYAML's C loader, bounded nesting and aliases
+    import yaml_rs
+except ImportError:  # pragma: no cover - only where no wheel exists for the platform
+    yaml_rs = None
 
 DEMO_MANIFEST = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo", "cluster.yaml")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one manifest file may hold; beyond it the file is refused as broken."""
+    max_bytes: int = 256 * 1024 * 1024      # --manifest-max-bytes
+    max_objects: int = 1_000_000            # --manifest-max-objects (items across the file)
+    max_alias_nodes: int = 100_000          # YAML nodes produced by aliases (alias bombs)
+    allow_shrink: bool = False              # --manifest-allow-shrink: accept a file that lost most objects
+
+
+DEFAULT_LIMITS = Limits()
+# A reload that keeps fewer than this share of the last good objects is refused
+# (a file truncated or emptied in place), unless allow_shrink; small files are exempt.
+SHRINK_KEEP = 0.5
+SHRINK_MIN_OBJECTS = 20
+# Files smaller than this are parsed in the process (a few milliseconds): a worker's
+# start would cost more than it saves.
+WORKER_MIN_BYTES = 256 * 1024
+
+
+def limits_from(cfg: Any) -> Limits:
+    return Limits(max_bytes=getattr(cfg, "manifest_max_bytes", DEFAULT_LIMITS.max_bytes),
+                  max_objects=getattr(cfg, "manifest_max_objects", DEFAULT_LIMITS.max_objects),
+                  allow_shrink=getattr(cfg, "manifest_allow_shrink", False))
 
 
 @dataclass(frozen=True)
@@ -40,72 +81,221 @@ class Skipped:
         return f"{self.path}: skipped {self.kind} {self.name}: {self.reason}"
 
 
-def read_documents(path: str) -> list[Any]:
-    """Every top-level document of a file; raises ManifestError."""
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Parsing builds a few million small acyclic objects: the cyclic collector's
+    passes over them cost as much as the parse itself, and free nothing."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def read_bytes(path: str, limits: Limits = DEFAULT_LIMITS) -> bytes:
     try:
         with open(path, "rb") as fh:
-            raw = fh.read()
+            size = os.fstat(fh.fileno()).st_size
+            if size > limits.max_bytes:
+                raise ManifestError(path, None, f"{size} bytes is over the limit of {limits.max_bytes} "
+                                                "(--manifest-max-bytes)")
+            raw = fh.read(limits.max_bytes + 1)
     except OSError as exc:
-        raise ManifestError(path, None, exc.strerror or str(exc)) from None
+        raise ManifestError(path, None, exc.strerror or str(exc), transient=True) from None
+    if len(raw) > limits.max_bytes:   # grew while being read
+        raise ManifestError(path, None, f"over the limit of {limits.max_bytes} bytes (--manifest-max-bytes)",
+                            transient=True)
+    return raw
+
+
+_YAML_LINE = re.compile(r"line (\d+)")
+
+
+def parse_documents(raw: bytes, path: str = "<input>", limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    """Every top-level document of a file's bytes; raises ManifestError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ManifestError(path, None, f"not UTF-8 text ({exc.reason})") from None
-    if text.lstrip().startswith(("{", "[")):
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if text.lstrip().startswith(("{", "[")):   # JSON (as kubectl -o json prints it): the fast parser
         try:
             return [json.loads(text)]
         except json.JSONDecodeError as exc:
-            raise ManifestError(path, exc.lineno, exc.msg) from None
+            if exc.msg != "Extra data":   # "Extra data": a YAML stream of flow-style documents
+                raise ManifestError(path, exc.lineno, exc.msg) from None
+        except RecursionError:
+            raise ManifestError(path, None, "nested too deeply") from None
+        except ValueError as exc:   # e.g. an integer of more than 4300 digits
+            raise ManifestError(path, None, str(exc)[:200]) from None
     try:
-        return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
+        _check_nesting(raw)
+        docs = _load_yaml(text, limits)
+    except ManifestError as exc:
+        raise ManifestError(path, exc.line, exc.reason) from None
+    return [d for d in docs if d is not None]
+
+
+# Block-style YAML nests by indentation and "- " / "? " / ": " indicators; the Rust
+# parser recurses per level and overflows its stack somewhere past 10,000 levels. A run
+# of this many of those characters is refused first, bounding block nesting well below
+# that (flow nesting has the parser's own bound of about 256).
+MAX_INDENT_RUN = 2048
+_STRUCTURAL = bytes(0x78 if chr(c) in " \t-?:" else 0x0A for c in range(256))
+
+
+def _check_nesting(raw: bytes) -> None:
+    at = raw.translate(_STRUCTURAL).find(b"x" * MAX_INDENT_RUN)
+    if at >= 0:
+        raise ManifestError("", raw.count(b"\n", 0, at) + 1,
+                            f"nested too deeply (a run of {MAX_INDENT_RUN} indentation or indicator characters)")
+
+
+def _load_yaml(text: str, limits: Limits) -> list[Any]:
+    if yaml_rs is not None:
+        try:
+            data = yaml_rs.loads(text, parse_datetime=False,
+                                 alias_limits=yaml_rs.AliasLimits(max_total_replayed_events=limits.max_alias_nodes))
+        except (ValueError, RecursionError, OverflowError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            m = _YAML_LINE.search(first)
+            reason = _YAML_LINE.sub("", first).replace("at , column", "at column").strip(" ,") or first
+            raise ManifestError("", int(m.group(1)) if m else None, reason[:200]) from None
+        # several documents come back as a list of them; one list document is flattened alike
+        return data if isinstance(data, list) else [data]
+    return _load_pyyaml(text, limits)   # pragma: no cover
+
+
+def _load_pyyaml(text: str, limits: Limits) -> list[Any]:  # pragma: no cover - fallback
+    import yaml
+    loader_cls = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        loader = loader_cls(text)
+        docs = []
+        try:
+            while loader.check_node():
+                node = loader.get_node()
+                _check_aliases(node, limits)
+                docs.append(loader.construct_document(node))
+        finally:
+            loader.dispose()
+        return docs
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ManifestError(path, mark.line + 1 if mark else None, reason) from None
+        raise ManifestError("", mark.line + 1 if mark else None, reason) from None
+    except RecursionError:
+        raise ManifestError("", None, "nested too deeply") from None
 
 
-def _flatten(doc: Any) -> Iterable[Any]:
-    if isinstance(doc, list):
-        for item in doc:
-            yield from _flatten(item)
-    elif isinstance(doc, dict) and isinstance(doc.get("kind"), str) and doc["kind"].endswith("List") \
-            and isinstance(doc.get("items"), list):
-        for item in doc["items"]:
-            yield from _flatten(item)
-    else:
-        yield doc
+def _check_aliases(root: Any, limits: Limits) -> None:  # pragma: no cover - fallback
+    """Refuse a node graph whose expansion (aliases counted each time) is too big."""
+    sizes: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        kids = node.value if isinstance(node.value, list) else []
+        kids = [k for kid in kids for k in (kid if isinstance(kid, tuple) else (kid,))]
+        if not done:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in sizes)
+            continue
+        total = 1 + sum(sizes.get(id(k), 1) for k in kids)
+        if total > limits.max_objects * 64 + limits.max_alias_nodes:
+            raise ManifestError("", None, "YAML aliases expand beyond the limit")
+        sizes[id(node)] = total
 
 
-def records_from_documents(docs: Iterable[Any], path: str = "<input>") -> tuple[list[tuple[str, Any]], list[Skipped]]:
-    """Convert raw documents into (kind, record) pairs and the objects skipped."""
+def read_documents(path: str, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    """Every top-level document of a file; raises ManifestError."""
+    raw = read_bytes(path, limits)
+    try:
+        return parse_documents(raw, path, limits)
+    except ManifestError as exc:
+        if not exc.path:
+            raise ManifestError(path, exc.line, exc.reason) from None
+        raise
+
+
+def _flatten(docs: Iterable[Any], limits: Limits) -> Iterator[Any]:
+    """Objects of documents, Lists and lists, depth first; bounded in count and nesting."""
+    count = 0
+    stack: list[Iterator[Any]] = [iter(docs)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, dict) and isinstance(item.get("kind"), str) and item["kind"].endswith("List") \
+                    and isinstance(item.get("items"), list):
+                item = item["items"]
+            if isinstance(item, list):
+                if len(stack) >= 32:
+                    raise ManifestError("", None, "lists nested more than 32 deep")
+                stack.append(iter(item))
+                break
+            count += 1
+            if count > limits.max_objects:
+                raise ManifestError("", None, f"more than {limits.max_objects} objects (--manifest-max-objects)")
+            yield item
+        else:
+            stack.pop()
+
+
+def records_from_documents(docs: Iterable[Any], path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
+                           ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """Convert raw documents into (kind, record) pairs and the objects skipped.
+
+    Raises ManifestError when the documents break a limit."""
     records: list[tuple[str, Any]] = []
     skipped: list[Skipped] = []
-    for obj in (o for d in docs for o in _flatten(d)):
-        if not isinstance(obj, dict):
-            skipped.append(Skipped(path, "?", "?", f"not an object: {type(obj).__name__}"))
-            continue
-        kind = obj.get("kind")
-        if kind not in KINDS:
-            # Other kinds (Deployments, Endpoints...) are legitimately present in dumps.
-            log.debug("%s: ignoring kind %r", path, kind)
-            continue
-        if obj.get("apiVersion") not in API_VERSIONS[kind]:
-            skipped.append(Skipped(path, kind, object_name(obj),
-                                   f"unsupported apiVersion {obj.get('apiVersion')!r}"))
-            continue
-        try:
-            records.append((kind, convert(kind, obj)))
-        except InvalidObject as exc:
-            skipped.append(Skipped(path, kind, object_name(obj), str(exc)))
+    try:
+        for obj in _flatten(docs, limits):
+            if not isinstance(obj, dict):
+                skipped.append(Skipped(path, "?", "?", f"not an object: {type(obj).__name__}"))
+                continue
+            kind = obj.get("kind")
+            if kind not in KINDS:
+                # Other kinds (Deployments, Endpoints...) are legitimately present in dumps.
+                continue
+            if obj.get("apiVersion") not in API_VERSIONS[kind]:
+                skipped.append(Skipped(path, kind, _printable(object_name(obj)),
+                                       f"unsupported apiVersion {_printable(obj.get('apiVersion'))}"))
+                continue
+            try:
+                records.append((kind, convert(kind, obj)))
+            except InvalidObject as exc:
+                skipped.append(Skipped(path, kind, _printable(object_name(obj)), str(exc)))
+            except RecursionError:
+                skipped.append(Skipped(path, kind, _printable(object_name(obj)), "nested too deeply"))
+    except ManifestError as exc:
+        raise ManifestError(path, exc.line, exc.reason) from None
     return records, skipped
 
 
-def load_files(paths: Iterable[str]) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+def _printable(value: Any) -> str:
+    """Names from a hostile object end up in log lines: bounded and escaped."""
+    text = value if isinstance(value, str) else repr(value)
+    return text[:100] if text.isprintable() and text.isascii() else ascii(text[:100])
+
+
+def parse_file(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """Read, parse and convert one file; raises ManifestError."""
+    with gc_paused():
+        docs = read_documents(path, limits)
+        records = records_from_documents(docs, path, limits)
+        del docs
+    return records
+
+
+def load_files(paths: Iterable[str], limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """Load files at once (one-shot commands); raises ManifestError on the first broken file."""
     records: list[tuple[str, Any]] = []
     skipped: list[Skipped] = []
     for path in paths:
-        r, s = records_from_documents(read_documents(path), path)
+        r, s = parse_file(path, limits)
         records += r
         skipped += s
     return records, skipped
@@ -117,68 +307,316 @@ def report_skipped(skipped: Iterable[Skipped]) -> None:
         metrics.invalid_objects.labels(s.kind).inc()
 
 
+def duplicates(files: Iterable[tuple[str, list[tuple[str, Any]]]]) -> list[str]:
+    """Messages for objects given more than once (the later one wins, as before)."""
+    seen: dict[tuple[str, Any], str] = {}
+    out = []
+    for path, records in files:
+        for kind, rec in records:
+            key = (kind, record_key(kind, rec))
+            first = seen.get(key)
+            if first is not None:
+                name = "/".join(key[1]) if isinstance(key[1], tuple) else key[1]
+                out.append(f"{path}: {kind} {name} is also given in {first}; the later one is used")
+            seen[key] = path
+    return out
+
+
 def publish(store: StateStore, records: Iterable[tuple[str, Any]]) -> None:
     """Replace every kind in the store with these records, as one version."""
     by_kind: dict[str, list] = {k: [] for k in KINDS}
     for kind, rec in records:
         by_kind[kind].append(rec)
-    with store.batch():
+    with gc_paused(), store.batch():
         for kind in KINDS:
             store.replace(kind, by_kind[kind])
 
 
-class ManifestSource:
-    """Feeds a StateStore from files and reloads them when they change."""
+# -- the parse worker: a child process, records streamed back in frames ------------------
 
-    def __init__(self, store: StateStore, paths: list[str], interval: float = 0.2) -> None:
+_FRAME = struct.Struct("!Q")
+_CHUNK = 200   # records per frame: unpickling one costs a few milliseconds of the event loop
+
+
+def _worker_main(argv: list[str]) -> int:
+    """`python -m clusterdns.sources.manifest PATH MAX_BYTES MAX_OBJECTS`: frames on stdout."""
+    path, max_bytes, max_objects = argv[0], int(argv[1]), int(argv[2])
+    out = sys.stdout.buffer
+
+    def send(msg: Any) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(_FRAME.pack(len(data)))
+        out.write(data)
+
+    try:
+        records, skipped = parse_file(path, Limits(max_bytes=max_bytes, max_objects=max_objects))
+    except ManifestError as exc:
+        send(("error", exc.line, exc.reason, exc.transient))
+        out.flush()
+        return 0
+    for i in range(0, len(records), _CHUNK):
+        send(("records", records[i:i + _CHUNK]))
+    send(("done", skipped))
+    out.flush()
+    return 0
+
+
+def _worker_cmd(path: str, limits: Limits) -> list[str]:
+    return [sys.executable, "-m", "clusterdns.sources.manifest", path, str(limits.max_bytes), str(limits.max_objects)]
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # the child must import this very package, wherever it was imported from
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class _Collector:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.records: list[tuple[str, Any]] = []
+        self.skipped: list[Skipped] = []
+        self.done = False
+
+    def take(self, msg: tuple) -> None:
+        if msg[0] == "records":
+            self.records += msg[1]
+        elif msg[0] == "done":
+            self.skipped = msg[1]
+            self.done = True
+        elif msg[0] == "error":
+            raise ManifestError(self.path, msg[1], msg[2], transient=msg[3])
+
+    def result(self, rc: int | None, stderr: bytes) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+        if not self.done:
+            tail = stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit code {rc}"]
+            raise ManifestError(self.path, None, f"the parse worker failed: {tail[0][:200]}", transient=True)
+        return self.records, self.skipped
+
+
+def parse_in_worker(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """parse_file in a child process, blocking (a command's first load)."""
+    try:
+        proc = subprocess.run(_worker_cmd(path, limits), capture_output=True, env=_worker_env(), check=False)
+    except OSError as exc:
+        raise ManifestError(path, None, f"cannot start the parse worker: {exc}", transient=True) from None
+    got = _Collector(path)
+    data, pos = proc.stdout, 0
+    with gc_paused():
+        while pos + _FRAME.size <= len(data):
+            (n,) = _FRAME.unpack_from(data, pos)
+            pos += _FRAME.size
+            got.take(pickle.loads(data[pos:pos + n]))
+            pos += n
+    return got.result(proc.returncode, proc.stderr)
+
+
+async def parse_in_worker_async(path: str, limits: Limits = DEFAULT_LIMITS,
+                                ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """parse_file in a child process; the event loop runs between frames."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *_worker_cmd(path, limits), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=_worker_env())
+    except OSError as exc:
+        raise ManifestError(path, None, f"cannot start the parse worker: {exc}", transient=True) from None
+    got = _Collector(path)
+    errs = asyncio.ensure_future(proc.stderr.read())
+    try:
+        while True:
+            try:
+                head = await proc.stdout.readexactly(_FRAME.size)
+            except asyncio.IncompleteReadError:
+                break
+            (n,) = _FRAME.unpack(head)
+            body = await proc.stdout.readexactly(n)
+            with gc_paused():
+                got.take(pickle.loads(body))
+            await asyncio.sleep(0)   # let queries in between frames
+        rc = await proc.wait()
+        return got.result(rc, await errs)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if not errs.done():
+            errs.cancel()
+
+
+# -- the long-running source ---------------------------------------------------------
+
+class ManifestSource:
+    """Feeds a StateStore from files and reloads them when they change.
+
+    A change is read once the file has settled (the same size, mtime and inode
+    at two polls in a row), so a writer rewriting in place is never read half
+    way. A file that became empty or lost most of its objects is refused
+    (ERROR, metric, `problems`) unless limits.allow_shrink; a failed read is
+    retried at the next poll; broken content is reported once and kept out
+    until the file changes again.
+    """
+
+    def __init__(self, store: StateStore, paths: list[str], interval: float = 0.2,
+                 limits: Limits = DEFAULT_LIMITS, worker: bool = True) -> None:
         self.store = store
         self.paths = list(paths)
         self.interval = interval
+        self.limits = limits
+        self.worker = worker                          # parse in a child process
         self._good: dict[str, list[tuple[str, Any]]] = {}
-        self._stamp: dict[str, tuple] = {}
-        self.errors: dict[str, ManifestError] = {}
+        self._stamp: dict[str, tuple] = {}            # stamp of the content last dealt with
+        self._seen: dict[str, tuple] = {}             # stamp at the previous poll (settling)
+        self.errors: dict[str, ManifestError] = {}    # files whose last read or parse failed
+        self.refused: dict[str, str] = {}             # files whose new content was refused, and why
+        self.on_problem: Callable[[], None] | None = None
+        self._retry: dict[str, tuple[int, float]] = {}  # failed reads: (failures, monotonic time of next try)
 
-    def _stat(self, path: str) -> tuple:
+    def problems(self) -> list[str]:
+        """One line per file not serving its current content (for /ready)."""
+        out = [f"{p}: {r}" for p, r in self.refused.items()]
+        out += [str(e) for p, e in self.errors.items() if p not in self.refused]
+        return out
+
+    @property
+    def ready(self) -> bool:
+        return all(p in self._good for p in self.paths)
+
+    @staticmethod
+    def _stat(path: str) -> tuple:
         try:
             st = os.stat(path)
-            return (st.st_mtime_ns, st.st_size, st.st_ino)
+            return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
         except OSError:
             return ()
 
+    def _due(self, settle: bool) -> list[tuple[str, tuple]]:
+        """Files whose content changed since it was last dealt with (and has settled)."""
+        due = []
+        for path in self.paths:
+            stamp = self._stat(path)
+            previous, self._seen[path] = self._seen.get(path), stamp
+            if self._stamp.get(path) == stamp and path in self._stamp:
+                continue
+            if settle and previous != stamp:
+                continue   # changed since the last poll: wait until it holds still
+            retry = self._retry.get(path)
+            if settle and retry is not None and time.monotonic() < retry[1] and previous == stamp:
+                continue   # a failed read is retried with backoff (up to 5 s) unless the file changes
+            due.append((path, stamp))
+        return due
+
+    def _fail(self, path: str, stamp: tuple, exc: ManifestError, strict: bool) -> None:
+        if exc.transient:   # the read failed, not the content: try again (stamp not recorded)
+            n = self._retry.get(path, (0, 0.0))[0] + 1
+            self._retry[path] = (n, time.monotonic() + min(5.0, self.interval * 2 ** n))
+        else:               # broken content: not parsed again until the file changes
+            self._stamp[path] = stamp
+            self._retry.pop(path, None)
+        if strict:
+            raise exc
+        if str(self.errors.get(path)) != str(exc):
+            log.error("manifest %s; keeping the last good state", exc)
+        self.errors[path] = exc
+        metrics.source_errors.labels("manifest").inc()
+
+    def _accept(self, path: str, stamp: tuple, records: list, skipped: list[Skipped]) -> bool:
+        """Take a parsed file, or refuse it; True when it was taken."""
+        self.errors.pop(path, None)
+        self._retry.pop(path, None)
+        self._stamp[path] = stamp   # the content is known: not parsed again until it changes
+        old = self._good.get(path)
+        if old is not None and not self.limits.allow_shrink and old:
+            reason = None
+            if not records:
+                reason = f"now holds no objects (had {len(old)})"
+            elif len(old) >= SHRINK_MIN_OBJECTS and len(records) < SHRINK_KEEP * len(old):
+                reason = f"now holds {len(records)} objects, fewer than half of the {len(old)} it had"
+            if reason is not None:
+                reason += "; refused, serving the last good content (--manifest-allow-shrink accepts it)"
+                if self.refused.get(path) != reason:
+                    log.error("manifest %s: %s", path, reason)
+                    metrics.source_errors.labels("manifest").inc()
+                self.refused[path] = reason
+                self._notify()
+                return False
+        self.refused.pop(path, None)
+        report_skipped(skipped)
+        self._good[path] = records
+        log.info("loaded %s: %d objects, %d skipped", path, len(records), len(skipped))
+        return True
+
+    def _notify(self) -> None:
+        if self.on_problem is not None:
+            try:
+                self.on_problem()
+            except Exception:   # a watcher's bug must not stop the source
+                log.exception("manifest problem callback failed")
+
+    def _publish(self) -> bool:
+        # Publish only once every file has loaded at least once: until then the
+        # state is not complete, and DNS must not answer NXDOMAIN from it.
+        if not self.ready:
+            return False
+        files = [(p, self._good[p]) for p in self.paths]
+        for line in duplicates(files):
+            log.warning("%s", line)
+        publish(self.store, (r for _, recs in files for r in recs))
+        return True
+
     def load(self, strict: bool = False) -> bool:
-        """(Re)load changed files and publish; True if anything was published.
+        """(Re)load changed files at once, in this process or a blocking worker; True if published.
 
         strict: a file that cannot be read raises ManifestError (the first load of a command)."""
         changed = False
-        for path in self.paths:
-            stamp = self._stat(path)
-            if path in self._stamp and self._stamp[path] == stamp:
-                continue
-            self._stamp[path] = stamp
+        for path, stamp in self._due(settle=False):
             try:
-                records, skipped = records_from_documents(read_documents(path), path)
+                if self.worker and stamp and stamp[1] >= WORKER_MIN_BYTES:
+                    records, skipped = parse_in_worker(path, self.limits)
+                else:
+                    records, skipped = parse_file(path, self.limits)
             except ManifestError as exc:
-                if strict:
-                    raise
-                if str(self.errors.get(path)) != str(exc):
-                    log.error("manifest %s; keeping the last good state", exc)
-                self.errors[path] = exc
-                metrics.source_errors.labels("manifest").inc()
+                self._fail(path, stamp, exc, strict)
                 continue
-            self.errors.pop(path, None)
-            report_skipped(skipped)
-            self._good[path] = records
-            changed = True
-            log.info("loaded %s: %d objects, %d skipped", path, len(records), len(skipped))
-        # Publish only once every file has loaded at least once: until then the
-        # state is not complete, and DNS must not answer NXDOMAIN from it.
-        if changed and all(p in self._good for p in self.paths):
-            publish(self.store, (r for p in self.paths for r in self._good[p]))
-            return True
-        return False
+            changed |= self._accept(path, stamp, records, skipped)
+        if self.errors or self.refused:
+            self._notify()
+        return changed and self._publish()
+
+    async def poll(self) -> bool:
+        """One poll: read settled changed files off the event loop; True if published."""
+        changed = False
+        for path, stamp in self._due(settle=True):
+            try:
+                if not stamp:
+                    read_bytes(path, Limits(max_bytes=0))   # raises the reason (no such file...)
+                if self.worker and stamp[1] >= WORKER_MIN_BYTES:
+                    records, skipped = await parse_in_worker_async(path, self.limits)
+                else:
+                    records, skipped = parse_file(path, self.limits)
+            except ManifestError as exc:
+                self._fail(path, stamp, exc, False)
+                self._notify()
+                continue
+            if self._stat(path) != stamp:
+                continue   # changed while it was read: read it again once it settles
+            changed |= self._accept(path, stamp, records, skipped)
+        return changed and self._publish()
 
     async def run(self) -> None:
-        self.load()
         while True:
+            try:
+                await self.poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # never end the source task: the last good state stays served
+                log.exception("manifest poll failed; retrying")
+                metrics.source_errors.labels("manifest").inc()
             await asyncio.sleep(self.interval)
-            self.load()
+
+
+if __name__ == "__main__":
+    # Through the package's own module, so that pickled classes name it, not __main__.
+    from clusterdns.sources.manifest import _worker_main as _main
+    sys.exit(_main(sys.argv[1:]))

@@ -37,9 +37,18 @@ TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 TOPOLOGY_ANNOTATIONS = ("service.kubernetes.io/topology-mode",
                         "service.kubernetes.io/topology-aware-hints")
 
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# The API server's name rules (k8s.io/apimachinery validation). Names reach rule
+# text (comments, chain names), netlink attributes and DNS labels, so anything
+# else is refused here. \Z, not $: "$" would accept a trailing newline.
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 _DNS1123_SUBDOMAIN = re.compile(
-    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+# IANA_SVC_NAME: 1-15 of [a-z0-9-], at least one letter, no leading/trailing/double hyphen.
+_IANA_SVC_NAME = re.compile(r"(?=.{1,15}\Z)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*\Z")
+# Label values: at most 63, alphanumerics at both ends, -_. inside.
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?\Z")
+TRAFFIC_POLICIES = ("Cluster", "Local")
 
 
 class InvalidObject(ValueError):
@@ -58,6 +67,41 @@ def _get(obj: Any, key: str, kind: type | tuple, default: Any = None, where: str
     return value
 
 
+def _name(value: str, pattern: re.Pattern, what: str, where: str) -> str:
+    if not pattern.match(value):
+        raise InvalidObject(f"{where}: {value!r} is not a valid {what}"[:200])
+    return value
+
+
+_SEEN: dict[re.Pattern, dict[str, bool]] = {}
+
+
+def _check_label(value: str, pattern: re.Pattern, what: str, where: str) -> str:
+    """_name for values that repeat across many objects (node names, zones): memoised."""
+    seen = _SEEN.get(pattern)
+    if seen is None:
+        seen = _SEEN[pattern] = {}
+    ok = seen.get(value)
+    if ok is None:
+        ok = bool(pattern.match(value))
+        if len(seen) > 4096:
+            seen.clear()
+        seen[value] = ok
+    if not ok:
+        raise InvalidObject(f"{where}: {value!r} is not a valid {what}"[:200])
+    return value
+
+
+def _opt_str(obj: dict, key: str, where: str) -> str:
+    """An optional string field ("" when absent); anything but a string is invalid."""
+    value = obj.get(key)
+    if value is None:
+        return ""
+    if type(value) is not str:
+        raise InvalidObject(f"{where}.{key}: expected string, got {type(value).__name__} {value!r}"[:200])
+    return value
+
+
 def _type_name(kind: type | tuple) -> str:
     if isinstance(kind, tuple):
         return " or ".join(k.__name__ for k in kind)
@@ -73,8 +117,10 @@ def _ip(value: Any, where: str) -> str:
             return value
     except OSError:
         pass
+    if "%" in value or value != value.strip():   # scoped IPv6 ("fe80::1%eth0") or padding
+        raise InvalidObject(f"{where}: invalid IP address {value!r}"[:200])
     try:
-        return str(ipaddress.ip_address(value.strip()))
+        return str(ipaddress.ip_address(value))
     except ValueError:
         raise InvalidObject(f"{where}: invalid IP address {value!r}"[:200]) from None
 
@@ -95,23 +141,32 @@ def _cidr(value: Any, where: str) -> str:
         raise InvalidObject(f"{where}: invalid CIDR {value!r}"[:200]) from None
 
 
-def _meta(obj: dict, namespaced: bool) -> tuple[str, str, dict, dict]:
+def _meta(obj: dict, namespaced: bool, name_rule: re.Pattern = _DNS1123_SUBDOMAIN,
+          name_what: str = "DNS-1123 subdomain") -> tuple[str, str, dict, dict]:
     meta = _get(obj, "metadata", dict, where="")
     if meta is None:
         raise InvalidObject("metadata: missing")
     name = _get(meta, "name", str, where="metadata")
     if not name:
         raise InvalidObject("metadata.name: missing")
+    _name(name, name_rule, name_what, "metadata.name")
     ns = ""
     if namespaced:
         ns = _get(meta, "namespace", str, "default", where="metadata")
+        _check_label(ns, _DNS1123_LABEL, "namespace (DNS-1123 label)", "metadata.namespace")
     labels = _get(meta, "labels", dict, {}, where="metadata")
     annotations = _get(meta, "annotations", dict, {}, where="metadata")
     return ns, name, labels, annotations
 
 
 def _labels(labels: dict) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((str(k), str(v)) for k, v in labels.items()))
+    for k, v in labels.items():
+        # Keys and values are strings of bounded size in the API; only the values we
+        # match on are checked further (service-name, service-proxy-name).
+        if type(k) is not str or type(v) is not str or len(k) > 317 or len(v) > 63:
+            raise InvalidObject(f"metadata.labels: {k!r}: keys and values must be strings "
+                                f"(values at most 63 characters)"[:200])
+    return tuple(sorted(labels.items()))
 
 
 def _protocol(value: Any, where: str) -> str:
@@ -130,8 +185,22 @@ def _port_number(value: Any, where: str, allow_zero: bool = False) -> int:
     return value
 
 
+def _target_port(value: Any, where: str) -> int | str | None:
+    if value is None:
+        return None
+    if type(value) is int:
+        if not 1 <= value <= 65535:
+            raise InvalidObject(f"{where}.targetPort: port {value} out of range")
+        return value
+    if type(value) is str:
+        if value.isdigit():   # the API's IntOrString takes "8080" as a string: a name, and invalid as one
+            raise InvalidObject(f"{where}.targetPort: {value!r} must be an integer or an IANA service name")
+        return _name(value, _IANA_SVC_NAME, "port name (IANA_SVC_NAME)", f"{where}.targetPort")
+    raise InvalidObject(f"{where}.targetPort: must be an integer or a string")
+
+
 def service_from_dict(obj: dict) -> Service:
-    ns, name, labels, annotations = _meta(obj, True)
+    ns, name, labels, annotations = _meta(obj, True, _DNS1035_LABEL, "Service name (DNS-1035 label)")
     spec = _get(obj, "spec", dict, {}, where="")
     stype = _get(spec, "type", str, CLUSTER_IP, where="spec")
     if stype not in SERVICE_TYPES:
@@ -148,7 +217,7 @@ def service_from_dict(obj: dict) -> Service:
                 headless = True
                 continue
             cluster_ips.append(_ip(raw, f"spec.clusterIPs[{i}]"))
-        if len({ipaddress.ip_address(ip).version for ip in cluster_ips}) != len(cluster_ips):
+        if len({":" in ip for ip in cluster_ips}) != len(cluster_ips):   # canonical: only IPv6 has ":"
             raise InvalidObject("spec.clusterIPs: two addresses of one family")
     external_name = ""
     if stype == EXTERNAL_NAME:
@@ -160,12 +229,12 @@ def service_from_dict(obj: dict) -> Service:
     for i, p in enumerate(_get(spec, "ports", list, [], where="spec")):
         where = f"spec.ports[{i}]"
         pname = _get(p, "name", str, "", where=where)
+        if pname:
+            _name(pname, _DNS1123_LABEL, "port name (DNS-1123 label)", f"{where}.name")
         proto = _protocol(p.get("protocol"), where)
         port = _port_number(p.get("port"), f"{where}.port")
         node_port = _port_number(p.get("nodePort", 0), f"{where}.nodePort", allow_zero=True)
-        target = p.get("targetPort")
-        if target is not None and not isinstance(target, (int, str)):
-            raise InvalidObject(f"{where}.targetPort: must be an integer or a string")
+        target = _target_port(p.get("targetPort"), where)
         if (pname, proto) in seen:
             raise InvalidObject(f"{where}: duplicate port name {pname!r}/{proto}")
         seen.add((pname, proto))
@@ -195,6 +264,13 @@ def service_from_dict(obj: dict) -> Service:
         raise InvalidObject(f"spec.sessionAffinity: unknown value {affinity!r}")
     etp = _get(spec, "externalTrafficPolicy", str, "Cluster", where="spec")
     itp = _get(spec, "internalTrafficPolicy", str, "Cluster", where="spec")
+    for key, value in (("externalTrafficPolicy", etp), ("internalTrafficPolicy", itp)):
+        if value not in TRAFFIC_POLICIES:
+            raise InvalidObject(f"spec.{key}: unknown value {value!r}"[:200])
+    label_items = _labels(labels)
+    proxy_name = labels.get(PROXY_NAME_LABEL, "")
+    if proxy_name:
+        _name(proxy_name, _LABEL_VALUE, "label value", f"metadata.labels[{PROXY_NAME_LABEL}]")
     hc = _port_number(spec.get("healthCheckNodePort", 0), "spec.healthCheckNodePort", allow_zero=True)
     topo = any(str(annotations.get(a, "")) not in ("", "disabled", "Disabled") for a in TOPOLOGY_ANNOTATIONS)
     topo = topo or bool(spec.get("trafficDistribution"))
@@ -205,17 +281,8 @@ def service_from_dict(obj: dict) -> Service:
         lb_source_ranges=ranges, affinity_timeout=timeout,
         external_local=etp == "Local",
         internal_local=itp == "Local", health_check_node_port=hc if etp == "Local" else 0,
-        topology_aware=topo, proxy_name=str(labels.get(PROXY_NAME_LABEL, "")),
-        labels=_labels(labels))
-
-
-def _condition(conds: dict, key: str, where: str) -> bool | None:
-    value = conds.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise InvalidObject(f"{where}.conditions.{key}: expected a boolean, got {value!r}"[:200])
-    return value
+        topology_aware=topo, proxy_name=proxy_name,
+        labels=label_items)
 
 
 def _parse_time(text: Any) -> float | None:
@@ -227,63 +294,150 @@ def _parse_time(text: Any) -> float | None:
         return None
 
 
+_CONDITIONS: dict[tuple, tuple[bool, bool, bool]] = {}
+
+
+def _conditions(conds: Any, where: str) -> tuple[bool, bool, bool]:
+    """(ready, serving, terminating) with the API's defaults: absent ready counts as ready,
+    absent serving takes ready's value. Memoised: slices repeat a few shapes."""
+    if conds is None:
+        return True, True, False
+    if type(conds) is not dict:
+        raise InvalidObject(f"{where}.conditions: expected a mapping")
+    key = (conds.get("ready"), conds.get("serving"), conds.get("terminating"))
+    got = _CONDITIONS.get(key)
+    if got is None:
+        for name, value in zip(("ready", "serving", "terminating"), key):
+            if value is not None and type(value) is not bool:
+                raise InvalidObject(f"{where}.conditions.{name}: expected a boolean, got {value!r}"[:200])
+        ready = True if key[0] is None else key[0]
+        got = (ready, ready if key[1] is None else key[1], bool(key[2]))
+        _CONDITIONS[key] = got
+    return got
+
+
+_pton, _ntop, _AF_INET = socket.inet_pton, socket.inet_ntop, socket.AF_INET
+
+
+def _field_error(i: int, key: str, value: Any) -> InvalidObject:
+    return InvalidObject(f"endpoints[{i}].{key}: expected string, got {type(value).__name__} {value!r}"[:200])
+
+
+def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
+    """One endpoint; written for speed (a 10,000-Service cluster has 100,000 of them):
+    the common shapes take the straight path, messages are built only on failure."""
+    if type(ep) is not dict:
+        raise InvalidObject(f"endpoints[{i}]: expected a mapping")
+    get = ep.get
+    addrs = get("addresses")
+    if type(addrs) is not list or not addrs:
+        raise InvalidObject(f"endpoints[{i}].addresses: a non-empty list is required")
+    first = addrs[0]
+    canonical = False
+    if atype == IPV4 and len(addrs) == 1 and type(first) is str:
+        try:
+            canonical = _ntop(_AF_INET, _pton(_AF_INET, first)) == first
+        except OSError:
+            pass
+    if canonical:
+        addresses = (first,)
+    elif atype == FQDN:
+        addresses = tuple(_name(a, _DNS1123_SUBDOMAIN, "FQDN (DNS-1123 subdomain)", f"endpoints[{i}].addresses")
+                          if type(a) is str else _bad_address(a, f"endpoints[{i}]") for a in addrs)
+    else:
+        addresses = tuple(_ip(a, f"endpoints[{i}].addresses[{j}]") for j, a in enumerate(addrs))
+        v6 = atype == IPV6
+        for a in addresses:   # canonical forms: only IPv6 has ":"
+            if (":" in a) != v6:
+                raise InvalidObject(f"endpoints[{i}].addresses: {a} is not of addressType {atype}")
+    conds = get("conditions")
+    if conds is None:
+        ready, serving, terminating = True, True, False
+    else:
+        ready, serving, terminating = _conditions(conds, f"endpoints[{i}]")
+    hostname = get("hostname")
+    if hostname is None:
+        hostname = ""
+    elif type(hostname) is not str:
+        raise _field_error(i, "hostname", hostname)
+    elif hostname and not _DNS1123_LABEL.match(hostname):
+        _name(hostname, _DNS1123_LABEL, "hostname (DNS-1123 label)", f"endpoints[{i}].hostname")
+    node_name = get("nodeName")
+    if node_name is None:
+        node_name = ""
+    elif type(node_name) is not str:
+        raise _field_error(i, "nodeName", node_name)
+    elif node_name:
+        _check_label(node_name, _DNS1123_SUBDOMAIN, "node name", f"endpoints[{i}].nodeName")
+    zone = get("zone")
+    if zone is None:
+        zone = ""
+    elif type(zone) is not str:
+        raise _field_error(i, "zone", zone)
+    elif zone:
+        _check_label(zone, _LABEL_VALUE, "zone (label value)", f"endpoints[{i}].zone")
+    pod_name = pod_ns = ""
+    ref = get("targetRef")
+    if ref is not None:
+        if type(ref) is not dict:
+            raise InvalidObject(f"endpoints[{i}].targetRef: expected a mapping")
+        if ref.get("kind") == "Pod":
+            pod_name = _opt_str(ref, "name", f"endpoints[{i}].targetRef")
+            if pod_name and not _DNS1123_SUBDOMAIN.match(pod_name):
+                _name(pod_name, _DNS1123_SUBDOMAIN, "Pod name", f"endpoints[{i}].targetRef.name")
+            pod_ns = _opt_str(ref, "namespace", f"endpoints[{i}].targetRef") or ns
+            if pod_ns != ns:
+                _check_label(pod_ns, _DNS1123_LABEL, "namespace", f"endpoints[{i}].targetRef.namespace")
+    hints = get("hints")
+    hint_zones = None
+    if hints is not None:
+        where = f"endpoints[{i}].hints"
+        if type(hints) is not dict:
+            raise InvalidObject(f"{where}: expected a mapping")
+        zones = []
+        for z in _get(hints, "forZones", list, [], where=where):
+            if isinstance(z, dict):
+                zn = _opt_str(z, "name", f"{where}.forZones")
+                zones.append(_check_label(zn, _LABEL_VALUE, "zone", f"{where}.forZones"))
+        hint_zones = tuple(zones)
+    return Endpoint(addresses, ready, serving, terminating, hostname, node_name, zone,
+                    hint_zones, pod_name, pod_ns)
+
+
+def _bad_address(value: Any, where: str) -> str:
+    raise InvalidObject(f"{where}.addresses: expected strings, got {type(value).__name__} {value!r}"[:200])
+
+
 def endpointslice_from_dict(obj: dict) -> EndpointSlice:
     ns, name, labels, annotations = _meta(obj, True)
     service = labels.get(SERVICE_NAME_LABEL)
     if not isinstance(service, str) or not service:
         raise InvalidObject(f"metadata.labels: missing {SERVICE_NAME_LABEL}")
+    # Only a Service's name can match a Service: anything else could never be used.
+    _name(service, _DNS1035_LABEL, "Service name (DNS-1035 label)", f"metadata.labels[{SERVICE_NAME_LABEL}]")
     atype = _get(obj, "addressType", str, None, where="")
     if atype not in (IPV4, IPV6, FQDN):
         raise InvalidObject(f"addressType: invalid value {atype!r}")
-    endpoints = []
-    for i, ep in enumerate(_get(obj, "endpoints", list, [], where="")):
-        where = f"endpoints[{i}]"
-        addrs = _get(ep, "addresses", list, [], where=where)
-        if not addrs:
-            raise InvalidObject(f"{where}.addresses: empty")
-        if atype == FQDN:
-            addresses = tuple(str(a) for a in addrs)
-        else:
-            addresses = tuple(_ip(a, f"{where}.addresses[{j}]") for j, a in enumerate(addrs))
-            want = 4 if atype == IPV4 else 6
-            if any((6 if ":" in a else 4) != want for a in addresses):   # canonical forms: IPv6 has ":"
-                raise InvalidObject(f"{where}.addresses: not of addressType {atype}")
-        conds = _get(ep, "conditions", dict, {}, where=where)
-        ready = _condition(conds, "ready", where)
-        serving = _condition(conds, "serving", where)
-        terminating = _condition(conds, "terminating", where)
-        ready = True if ready is None else ready
-        hostname = _get(ep, "hostname", str, "", where=where)
-        if hostname and not _DNS1123_LABEL.match(hostname):
-            raise InvalidObject(f"{where}.hostname: not a DNS label {hostname!r}")
-        ref = _get(ep, "targetRef", dict, {}, where=where)
-        hints = _get(ep, "hints", dict, None, where=where)
-        hint_zones = None
-        if hints is not None:
-            hint_zones = tuple(str(z.get("name", "")) for z in _get(hints, "forZones", list, [], where=f"{where}.hints")
-                               if isinstance(z, dict))
-        endpoints.append(Endpoint(
-            addresses=addresses, ready=ready,
-            serving=ready if serving is None else serving,
-            terminating=bool(terminating), hostname=hostname,
-            node_name=_get(ep, "nodeName", str, "", where=where),
-            zone=_get(ep, "zone", str, "", where=where), hint_zones=hint_zones,
-            pod_name=str(ref.get("name", "")) if ref.get("kind") == "Pod" else "",
-            pod_namespace=str(ref.get("namespace", ns)) if ref.get("kind") == "Pod" else ""))
+    endpoints = tuple([_endpoint(ep, i, atype, ns)
+                       for i, ep in enumerate(_get(obj, "endpoints", list, [], where=""))])
     ports = []
     for i, p in enumerate(_get(obj, "ports", list, [], where="")):
         where = f"ports[{i}]"
-        port = p.get("port") if isinstance(p, dict) else None
+        if type(p) is not dict:
+            raise InvalidObject(f"{where}: expected a mapping")
+        pname = _opt_str(p, "name", where)
+        if pname:
+            _name(pname, _DNS1123_LABEL, "port name (DNS-1123 label)", f"{where}.name")
+        port = p.get("port")
         ports.append(EndpointPort(
-            name=_get(p, "name", str, "", where=where),
-            protocol=_protocol(p.get("protocol"), where),
+            name=pname, protocol=_protocol(p.get("protocol"), where),
             port=None if port is None else _port_number(port, f"{where}.port")))
-    return EndpointSlice(ns, name, service, atype, tuple(endpoints), tuple(ports),
+    return EndpointSlice(ns, name, service, atype, endpoints, tuple(ports),
                          _parse_time(annotations.get(TRIGGER_TIME_ANNOTATION)))
 
 
 def namespace_from_dict(obj: dict) -> Namespace:
-    _, name, labels, _ = _meta(obj, False)
+    _, name, labels, _ = _meta(obj, False, _DNS1123_LABEL, "namespace name (DNS-1123 label)")
     return Namespace(name, _labels(labels))
 
 
@@ -331,7 +485,9 @@ def object_name(obj: Any) -> str:
     if not isinstance(meta, dict):
         return "?"
     ns, name = meta.get("namespace"), meta.get("name")
-    return f"{ns}/{name}" if ns else str(name)
+    ns = ns if isinstance(ns, str) else ""
+    name = name if isinstance(name, str) else "?"   # never repr() a hostile value of any depth
+    return f"{ns}/{name}" if ns else name
 
 
 def convert(kind: str, obj: dict) -> Any:

@@ -80,7 +80,7 @@ def test_endpointslice_conditions_default_to_ready():
     (["addressType"], "IPv5", "addressType"),
     (["endpoints", 0, "addresses"], ["fd00::1"], "not of addressType"),
     (["endpoints", 0, "conditions", "ready"], "yes", "expected a boolean"),
-    (["endpoints", 0, "hostname"], "Not_A_Label", "DNS label"),
+    (["endpoints", 0, "hostname"], "Not_A_Label", "DNS-1123 label"),
 ])
 def test_invalid_slice_is_rejected(path, value, message):
     with pytest.raises(InvalidObject, match=message):
@@ -109,3 +109,104 @@ def test_pod_and_node():
                                                      {"type": "ExternalIP", "address": "1.2.3.4"},
                                                      {"type": "InternalIP", "address": "10.1.1.1"}]}})
     assert node.addresses == ("10.1.1.1", "1.2.3.4") and node.zone == "z1"
+
+
+# -- names and fields as the API server validates them (hostile input must never reach rules or records)
+
+HOSTILE = ["sp ace", 'qu"ote', "semi;colon", "caf\u00e9", "MySvc", "my_svc", "new\nline", "a" * 64, "-lead",
+           "trail-", "x.y", "", "tab\t", "back\\slash", "{brace}", "d\u0131\u0307"]
+
+
+@pytest.mark.parametrize("name", HOSTILE + ["1starts-with-digit"])
+def test_service_name_must_be_a_dns1035_label(name):
+    with pytest.raises(InvalidObject):
+        convert("Service", with_(SERVICE, ["metadata", "name"], name))
+
+
+@pytest.mark.parametrize("ns", [n for n in HOSTILE if n] + ["n" * 70])
+def test_namespace_must_be_a_dns1123_label(ns):
+    with pytest.raises(InvalidObject):
+        convert("Service", with_(SERVICE, ["metadata", "namespace"], ns))
+    with pytest.raises(InvalidObject):
+        convert("EndpointSlice", with_(SLICE, ["metadata", "namespace"], ns))
+    with pytest.raises(InvalidObject):
+        convert("Namespace", {"metadata": {"name": ns}})
+
+
+def test_longest_valid_names_are_kept():
+    svc = convert("Service", with_(with_(SERVICE, ["metadata", "name"], "s" * 63), ["metadata", "namespace"], "9" * 63))
+    assert svc.key == ("9" * 63, "s" * 63)
+    assert convert("Service", with_(SERVICE, ["metadata", "name"], "a-1")).name == "a-1"
+
+
+@pytest.mark.parametrize("pname", [n for n in HOSTILE if n])
+def test_port_names_must_be_dns1123_labels(pname):
+    with pytest.raises(InvalidObject, match="port name"):
+        convert("Service", with_(SERVICE, ["spec", "ports"], [{"name": pname, "port": 80}]))
+    with pytest.raises(InvalidObject, match="port name"):
+        convert("EndpointSlice", with_(SLICE, ["ports"], [{"name": pname, "port": 80}]))
+
+
+@pytest.mark.parametrize("target,ok", [
+    (8080, True), ("http", True), ("h-2", True), ("a" * 15, True),
+    (0, False), (70000, False), ("8080", False), ("a" * 16, False), ("a--b", False), ("-a", False),
+    ("HTTP", False), ("a b", False), (1.5, False), (True, False), ([80], False),
+])
+def test_target_port_is_a_port_or_an_iana_service_name(target, ok):
+    obj = with_(SERVICE, ["spec", "ports"], [{"name": "http", "port": 80, "targetPort": target}])
+    if ok:
+        assert convert("Service", obj).ports[0].target_port == target
+    else:
+        with pytest.raises(InvalidObject, match="targetPort"):
+            convert("Service", obj)
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (["spec", "ports"], [{"port": 80, "protocol": "tcp"}], "unsupported protocol"),
+    (["spec", "ports"], [{"port": 0}], "out of range"),
+    (["spec", "ports"], [{"port": 80, "nodePort": 65536}], "out of range"),
+    (["spec", "ports"], [{"port": True}], "must be an integer"),
+    (["spec", "clusterIPs"], [" 10.96.0.5"], "invalid IP"),
+    (["spec", "clusterIPs"], ["fe80::1%eth0"], "invalid IP"),
+    (["spec", "clusterIPs"], ["010.096.000.005"], "invalid IP"),
+    (["spec", "externalIPs"], [3232235777], "must be a string"),
+    (["spec", "externalTrafficPolicy"], "Everywhere", "externalTrafficPolicy"),
+    (["spec", "internalTrafficPolicy"], "local", "internalTrafficPolicy"),
+    (["metadata", "labels"], {"service.kubernetes.io/service-proxy-name": "a b"}, "label value"),
+    (["metadata", "labels"], {"app": ["not", "a", "string"]}, "labels"),
+])
+def test_more_invalid_service_fields(path, value, message):
+    with pytest.raises(InvalidObject, match=message):
+        convert("Service", with_(SERVICE, path, value))
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (["metadata", "labels"], {"kubernetes.io/service-name": "Web"}, "Service name"),
+    (["metadata", "labels"], {"kubernetes.io/service-name": "web;drop"}, "Service name"),
+    (["metadata", "name"], "web abc", "DNS-1123 subdomain"),
+    (["endpoints", 0, "nodeName"], "node 1", "node name"),
+    (["endpoints", 0, "nodeName"], 7, "expected string"),
+    (["endpoints", 0, "zone"], "zone\"1", "zone"),
+    (["endpoints", 0, "targetRef"], {"kind": "Pod", "name": "p\u00e9"}, "Pod name"),
+    (["endpoints", 0, "addresses"], ["10.0.0.1 "], "invalid IP"),
+    (["endpoints", 0, "addresses"], [167772161], "must be a string"),
+    (["endpoints", 0, "addresses"], [], "non-empty"),
+    (["ports"], [{"port": 80, "protocol": "ICMP"}], "unsupported protocol"),
+    (["ports"], ["80"], "expected a mapping"),
+])
+def test_more_invalid_slice_fields(path, value, message):
+    with pytest.raises(InvalidObject, match=message):
+        convert("EndpointSlice", with_(SLICE, path, value))
+
+
+def test_fqdn_slice_addresses_must_be_names():
+    fqdn = with_(SLICE, ["addressType"], "FQDN")
+    fqdn = with_(fqdn, ["endpoints"], [{"addresses": ["db.example.com"]}])
+    assert convert("EndpointSlice", fqdn).endpoints[0].addresses == ("db.example.com",)
+    with pytest.raises(InvalidObject, match="FQDN"):
+        convert("EndpointSlice", with_(fqdn, ["endpoints"], [{"addresses": ["db example;com"]}]))
+
+
+def test_ipv6_addresses_are_canonicalised():
+    sl = with_(with_(SLICE, ["addressType"], "IPv6"), ["endpoints"], [{"addresses": ["FD00:0::01"]}])
+    assert convert("EndpointSlice", sl).endpoints[0].addresses == ("fd00::1",)

@@ -1,0 +1,133 @@
+"""Start time: `clusterdns rules` as a whole process, and the agent's start path, at size.
+
+    .venv/bin/python bench/start/run.py [--services 10000] [--endpoints 10] [--runs 5]
+        [--modes iptables,nftables] [--formats json,yaml] [--no-agent]
+
+Writes a `kind: List` manifest of synthetic Services x endpoints (one port
+each) in JSON and in YAML (as `kubectl -o json|yaml` would), then runs
+`clusterdns rules --mode M --manifest F >/dev/null` --runs times for each mode
+and format and prints, with the command, the median wall time, CPU time
+(user+sys: steadier than wall on this shared machine) and peak RSS.
+
+The agent part runs, in a fresh process per run, what `clusterdns agent`
+does before its first sync: the manifest source's first load (the parse
+worker, then the records into the store), the DNS zone, and the first full
+nftables and iptables renders; it prints the median of each step and the
+peak RSS of the agent's process and of the parse worker apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CLUSTERDNS = os.path.join(os.path.dirname(sys.executable), "clusterdns")
+
+AGENT_STEPS = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from clusterdns.config import load
+from clusterdns.sources.loader import make_source
+from clusterdns.state import StateStore
+cfg = load(["agent", "--manifest", sys.argv[1], "--node-name", "node-0", "--node-ip", "192.168.0.2",
+            "--dry-run"], env={})
+t1 = time.perf_counter()
+store = StateStore()
+make_source(cfg, store)                      # the first load, as the agent's start does
+t2 = time.perf_counter()
+from clusterdns.dns.zone import ZoneView
+ZoneView(cfg, store.current)
+t3 = time.perf_counter()
+from clusterdns.proxy import nftables, iptables
+nftables.render(store.current, cfg, 4)
+t4 = time.perf_counter()
+iptables.render(store.current, cfg, 4)
+t5 = time.perf_counter()
+print(json.dumps({"imports": t1 - t0, "source": t2 - t1, "zone": t3 - t2, "nftables": t4 - t3,
+                  "iptables": t5 - t4, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "worker_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+"""
+
+
+WRITE = r"""
+import json, sys, yaml
+from clusterdns.synthetic import synthetic_records, to_manifest
+text = to_manifest(synthetic_records(services=int(sys.argv[1]), endpoints=int(sys.argv[2])))
+open(sys.argv[3], "w").write(text)
+with open(sys.argv[4], "w") as fh:
+    yaml.dump(json.loads(text), fh, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), default_flow_style=False)
+"""
+
+
+def write_manifests(services: int, endpoints: int, where: str) -> dict[str, str]:
+    """In a child process: this one stays small, so the RSS its children report is their own."""
+    paths = {"json": os.path.join(where, "cluster.json"), "yaml": os.path.join(where, "cluster.yaml")}
+    subprocess.run([sys.executable, "-c", WRITE, str(services), str(endpoints), paths["json"], paths["yaml"]],
+                   check=True)
+    return paths
+
+
+def run_once(cmd: list[str]) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS MB) of one whole process (its own rusage, through wait4)."""
+    start = time.perf_counter()
+    with open(os.devnull, "wb") as null, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=null, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}): {err.read().decode()[-500:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--services", type=int, default=10000)
+    ap.add_argument("--endpoints", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--modes", default="iptables,nftables")
+    ap.add_argument("--formats", default="json,yaml")
+    ap.add_argument("--no-agent", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="clusterdns-start-") as tmp:
+        paths = write_manifests(args.services, args.endpoints, tmp)
+        sizes = {f: os.path.getsize(p) / 1e6 for f, p in paths.items()}
+        print(f"{args.services} Services x {args.endpoints} endpoints; manifests: "
+              + ", ".join(f"{f} {sizes[f]:.1f} MB" for f in paths) + f"; {args.runs} runs each, medians")
+        print(f"{'mode':<9} {'format':<6} {'wall s':>7} {'cpu s':>7} {'peak MB':>8}  command")
+        for mode in args.modes.split(","):
+            for fmt in args.formats.split(","):
+                cmd = [CLUSTERDNS, "rules", "--mode", mode, "--manifest", paths[fmt]]
+                runs = [run_once(cmd) for _ in range(args.runs)]
+                wall, cpu, rss = (statistics.median(r[i] for r in runs) for i in range(3))
+                shown = " ".join(cmd).replace(tmp, "$TMP").replace(CLUSTERDNS, "clusterdns")
+                print(f"{mode:<9} {fmt:<6} {wall:7.2f} {cpu:7.2f} {rss:8.0f}  {shown} >/dev/null", flush=True)
+        if args.no_agent:
+            return 0
+        print("\nagent start path (first load through the parse worker, zone, first renders), medians:")
+        for fmt in args.formats.split(","):
+            got = []
+            for _ in range(args.runs):
+                out = subprocess.run([sys.executable, "-c", AGENT_STEPS, paths[fmt]], capture_output=True,
+                                     text=True, check=False)
+                if out.returncode != 0:
+                    sys.exit(f"agent steps failed: {out.stderr[-800:]}")
+                got.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            med = {k: statistics.median(g[k] for g in got) for k in got[0]}
+            print(f"  {fmt}: imports {med['imports']:.2f} s, source first load {med['source']:.2f} s, "
+                  f"zone {med['zone']:.2f} s, nftables render {med['nftables']:.2f} s, "
+                  f"iptables render {med['iptables']:.2f} s; peak RSS agent {med['rss_mb']:.0f} MB, "
+                  f"parse worker {med['worker_rss_mb']:.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
