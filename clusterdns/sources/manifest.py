@@ -37,6 +37,7 @@ from .objects import API_VERSIONS, InvalidObject, convert, object_name
 
 log = logging.getLogger(__name__)
 
+yaml_rs: Any
 try:   # a Rust YAML 1.2 parser: ~20x faster than PyYAML's C loader, bounded nesting and aliases
     import yaml_rs
 except ImportError:  # pragma: no cover - only where no wheel exists for the platform
@@ -423,15 +424,17 @@ async def parse_in_worker_async(path: str, limits: Limits = DEFAULT_LIMITS,
     except OSError as exc:
         raise ManifestError(path, None, f"cannot start the parse worker: {exc}", transient=True) from None
     got = _Collector(path)
+    assert proc.stdout is not None and proc.stderr is not None
+    stdout = proc.stdout
     errs = asyncio.ensure_future(proc.stderr.read())
     try:
         while True:
             try:
-                head = await proc.stdout.readexactly(_FRAME.size)
+                head = await stdout.readexactly(_FRAME.size)
             except asyncio.IncompleteReadError:
                 break
             (n,) = _FRAME.unpack(head)
-            body = await proc.stdout.readexactly(n)
+            body = await stdout.readexactly(n)
             with gc_paused():
                 got.take(pickle.loads(body))
             await asyncio.sleep(0)   # let queries in between frames

@@ -339,6 +339,7 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
             canonical = _ntop(_AF_INET, _pton(_AF_INET, first)) == first
         except OSError:
             pass
+    addresses: tuple[str, ...]
     if canonical:
         addresses = (first,)
     elif atype == FQDN:
