@@ -529,4 +529,30 @@ def cleanup_text(existing: dict[str, set[str]], family: int = 4, *, save_text: s
     return "\n".join(out) + "\n" if out else ""
 
 
-__all__ = ["RuleSet", "cleanup_text", "jump_rules", "parse_chains", "probability", "render"]
+def foreign_cleanup_text(save_text: str, keep: dict[str, frozenset[str] | set[str]],
+                         wanted_jumps: set[tuple[str, str, str]] | None = None) -> str:
+    """iptables-restore input removing, from the tables of one backend and family, the
+    KUBE-* chains a full sync did not write (`keep`: table -> chains it declared; the
+    chains another mode left, e.g. IPVS's KUBE-NODE-PORT or KUBE-LOAD-BALANCER) and
+    the jumps from built-in chains to KUBE-* chains other than `wanted_jumps`
+    ((table, chain, spec) as jump_rules gives them). The kubelet's chains stay."""
+    wanted_jumps = wanted_jumps or set()
+    out: list[str] = []
+    for table, t in iptsave.read(save_text).items():
+        ours = keep.get(table, frozenset())
+        stale = sorted(c for c in t.chains if _our_chain(c) and c != n.KUBE_FIREWALL and c not in ours)
+        jumps = [f"-D {r.chain} {r.spec}" for r in t.rules
+                 if not r.chain.startswith("KUBE-") and (_our_chain(iptsave.target(r.spec))
+                                                         and iptsave.target(r.spec) != n.KUBE_FIREWALL)
+                 and (table, r.chain, r.spec) not in wanted_jumps]
+        if not stale and not jumps:
+            continue
+        out.append(f"*{table}")
+        out += [f":{c} - [0:0]" for c in stale]
+        out += jumps
+        out += [f"-X {c}" for c in stale]
+        out.append("COMMIT")
+    return "\n".join(out) + "\n" if out else ""
+
+
+__all__ = ["RuleSet", "cleanup_text", "foreign_cleanup_text", "jump_rules", "parse_chains", "probability", "render"]

@@ -132,6 +132,9 @@ class IptablesBackend:
         self.exe = IptablesExecutor(runner, family)
         self.large = False
         self.last_cleanup = -1e18
+        # What the last full sync declared, for removing what other modes left (see Proxier)
+        self.kept: dict[str, set[str]] | None = None
+        self.wanted_jumps: set[tuple[str, str, str]] = set()
 
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import iptables
@@ -161,6 +164,9 @@ class IptablesBackend:
             for table, chain, spec in missing:
                 await self.exe.insert(table, chain, spec)
         self.large = rs.large_cluster
+        if full:
+            self.kept = {t: set(c) for t, c in rs.chains.items()}
+            self.wanted_jumps = set(iptables.jump_rules(self.cfg, self.family))
         return SyncOutcome(dict(rs.counts))
 
     async def canary_ok(self) -> bool:
@@ -235,10 +241,17 @@ class IpvsBackend:
     def __init__(self, runner: CommandRunner, cfg: Config, family: int, *, applying: bool = True) -> None:
         self.cfg, self.family = cfg, family
         self.exe = IpvsExecutor(runner, family)
+        self.kept: dict[str, set[str]] | None = None
+        self.wanted_jumps: set[tuple[str, str, str]] = set()
 
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import ipvs
-        await self.exe.apply(await asyncio.to_thread(ipvs.render, state, self.cfg, self.family))
+        config = await asyncio.to_thread(ipvs.render, state, self.cfg, self.family)
+        await self.exe.apply(config)
+        tables = iptsave.read(config.iptables)
+        self.kept = {t: set(tab.chains) for t, tab in tables.items()}
+        self.wanted_jumps = {(t, r.chain, r.spec) for t, tab in tables.items() for r in tab.rules
+                             if r.line.startswith("-I ")}
         return SyncOutcome()
 
     async def programmed(self) -> dict:
@@ -276,6 +289,7 @@ class Proxier:
         self.monotonic = monotonic
         self.applying = cfg.applying
         runner = executor or (SubprocessRunner() if self.applying else PrintingRunner(out))
+        self._tool_runner = runner
         self.families = [family] if family else node_families(cfg)
         self.backends = {}
         if cfg.proxy_mode in BACKENDS:
@@ -299,6 +313,7 @@ class Proxier:
         self._last_full = -1e18
         self._last_canary = monotonic()
         self._last_reconcile = -1e18
+        self._leftovers_checked = False
         self._no_local: dict[tuple[str, str], tuple[int, int]] = {}
         self._synced_event = asyncio.Event()
         self._runner = BoundedFrequencyRunner("sync-proxy-rules", self._sync, cfg.min_sync_period,
@@ -439,6 +454,9 @@ class Proxier:
             self._need_full = False
             self._last_full = now
             self._last_canary = now
+            if self.applying and not self._leftovers_checked:
+                self._leftovers_checked = True
+                await self._remove_other_modes()
         previous, self.applied_state = self.applied_state, state
         self.applied_version = state.version
         self.syncs += 1
@@ -479,6 +497,60 @@ class Proxier:
             except Exception:
                 log.exception("sync listener failed")
         self._synced_event.set()
+
+    async def _remove_other_modes(self) -> list[str]:
+        """After the first full sync: remove what clusterdns (or kube-proxy, same names) left
+        in the other modes, so that switching modes needs no reboot and leaves no stale
+        DNAT. Done after our rules are in, so traffic never goes without rules. Failures
+        are logged; the rules just applied stand."""
+        from . import iptables
+        mode = self.cfg.proxy_mode
+        removed: list[str] = []
+        if not self.backends:    # --proxy-mode none: another proxier may own the rules
+            return removed
+        runner = self._tool_runner
+        try:
+            for fam, backend in self.backends.items():
+                own = getattr(backend, "exe", None)
+                own_ipt = own if isinstance(own, IptablesExecutor) else getattr(own, "iptables", None)
+                own_name = own_ipt.backend if own_ipt is not None else None
+                for name in ("nft", "legacy"):
+                    exe = IptablesExecutor(runner, fam, name)
+                    if isinstance(runner, SubprocessRunner) and not _have(exe._tool("save")):
+                        continue
+                    try:
+                        save = await exe.save_all()
+                    except ApplyError as exc:
+                        log.debug("cannot read %s: %s", exe._tool("save"), exc)
+                        continue
+                    if name == own_name and getattr(backend, "kept", None) is not None:
+                        # our own tables: only the chains and jumps our full sync did not write
+                        text = iptables.foreign_cleanup_text(save, backend.kept, backend.wanted_jumps)
+                    else:
+                        existing = parse_save(save)
+                        if not any(c != "KUBE-KUBELET-CANARY" for cs in existing.values() for c in cs):
+                            continue
+                        text = iptables.cleanup_text(existing, fam, save_text=save)
+                    if text.strip():
+                        await exe.restore(text)
+                        removed.append(f"iptables-{name} IPv{fam}" + (" (other modes' chains)"
+                                                                       if name == own_name else ""))
+                if mode != "nftables":
+                    nft = NftExecutor(runner, fam)
+                    if await nft.table_listed():
+                        from . import nftables
+                        await nft.apply(nftables.cleanup_text(fam))
+                        removed.append(f"nftables IPv{fam}")
+            if mode != "ipvs":
+                res = await runner.run(["ip", "link", "show", "kube-ipvs0"])
+                if res.returncode == 0:
+                    await IpvsExecutor(runner, 4).clear()
+                    removed.append("ipvs")
+        except (ApplyError, OSError) as exc:
+            log.warning("removing what other proxy modes left failed: %s", exc)
+        if removed:
+            log.info("%s mode: removed what other modes left: %s", mode, ", ".join(removed))
+        return removed
 
     def _record_counts(self, outcomes: dict, full: bool) -> None:
         totals: dict[str, int] = {}
