@@ -559,49 +559,81 @@ def _line(batch: _Batch, text: str, index: int) -> None:
         if verb != "add" or not rest:
             raise Unsupported(f"{verb} rule")
         _rule(batch, family, name, rest, index)
-    elif _ENDPOINTS_NAME.match(name):
-        if verb == "flush" or not rest:
-            raise Unsupported(f"{verb} element on {name}")
-        em = _ELEMENT.match(rest)
-        rm = _RANGE.match(em.group("key")) if em else None
-        if em is None or rm is None or em.group("comment") is not None:
-            raise Unsupported(f"element {rest[:40]!r}")
-        lo, hi = int(rm.group(1)), int(rm.group(2))
-        if not lo <= hi < 0xFFFFFFFF:
-            raise Unsupported(f"range {lo}-{hi}")
-        start = [_value(1, struct.pack(">I", lo))]
-        if verb == "add":
-            value = em.group("value")
-            parts = value.split(" . ") if value else []
-            if len(parts) != 2:
-                raise Unsupported(f"endpoint {value!r}")
-            start.append(_value(2, _addr(parts[0], family) + struct.pack(">H", _port(parts[1])) + b"\0\0"))
-        elif em.group("value") is not None:
-            raise Unsupported("delete element with data")
-        end = [_u32(3, NFT_SET_ELEM_INTERVAL_END), _value(1, struct.pack(">I", hi + 1))]
-        body = hdr + table + _str(2, name) + _nest(3, _nest(1, *start), _nest(1, *end))
-        batch.add(NEWSETELEM if verb == "add" else DELSETELEM, NLM_F_CREATE if verb == "add" else 0, body, index)
     else:
-        if verb == "flush" or name not in SETS or not rest:
+        if verb == "flush" or not rest or not (name in SETS or _ENDPOINTS_NAME.match(name)):
             raise Unsupported(f"{verb} element on {name}")
-        em = _ELEMENT.match(rest)
-        if not em:
+        if not (rest.startswith("{ ") and rest.endswith(" }")):
             raise Unsupported(f"element {rest[:40]!r}")
-        key = _element_key(name, em.group("key"), family)
-        elem = [_value(1, key)]                                    # NFTA_SET_ELEM_KEY
-        if verb == "add":
-            _, is_map = SETS[name]
-            value = em.group("value")
-            if is_map != (value is not None):
-                raise Unsupported(f"element data does not fit {name}")
-            if value is not None:
-                elem.append(_verdict(2, *_verdict_of(value)))      # NFTA_SET_ELEM_DATA
-            if em.group("comment") is not None:
-                elem.append(_attr(6, _udata_comment(em.group("comment"))))
-        elif em.group("value") is not None or em.group("comment") is not None:
-            raise Unsupported("delete element with data")
-        body = hdr + table + _str(2, name) + _nest(3, _nest(1, *elem))
-        batch.add(NEWSETELEM if verb == "add" else DELSETELEM, NLM_F_CREATE if verb == "add" else 0, body, index)
+        encode = _range_element if _ENDPOINTS_NAME.match(name) else _element
+        items = [encode(name, "{ " + item + " }", verb, family) for item in _split_elements(rest[2:-2])]
+        head = hdr + table + _str(2, name)
+        kind, flags = (NEWSETELEM, NLM_F_CREATE) if verb == "add" else (DELSETELEM, 0)
+        # an attribute's length is 16 bits: a long element list goes in several messages
+        chunk: list[bytes] = []
+        size = 0
+        for item in items:
+            if chunk and size + len(item) > 60000:
+                batch.add(kind, flags, head + _nest(3, *chunk), index)
+                chunk, size = [], 0
+            chunk.append(item)
+            size += len(item)
+        batch.add(kind, flags, head + _nest(3, *chunk), index)
+
+
+def _split_elements(body: str) -> list[str]:
+    """The elements of `{ a, b : c, d comment "x" }` (commas inside quotes do not split)."""
+    out, cur, quoted = [], [], False
+    for part in body.split(", "):
+        cur.append(part)
+        quoted ^= part.count('"') % 2 == 1
+        if not quoted:
+            out.append(", ".join(cur))
+            cur = []
+    if cur or not out or not all(out):
+        raise Unsupported(f"element list {body[:40]!r}")
+    return out
+
+
+def _range_element(name: str, text: str, verb: str, family: int) -> bytes:
+    """`lo-hi : address . port` of an endpoint map: a start element and an interval-end element."""
+    em = _ELEMENT.match(text)
+    rm = _RANGE.match(em.group("key")) if em else None
+    if em is None or rm is None or em.group("comment") is not None:
+        raise Unsupported(f"element {text[:40]!r}")
+    lo, hi = int(rm.group(1)), int(rm.group(2))
+    if not lo <= hi < 0xFFFFFFFF:
+        raise Unsupported(f"range {lo}-{hi}")
+    start = [_value(1, struct.pack(">I", lo))]
+    if verb == "add":
+        value = em.group("value")
+        parts = value.split(" . ") if value else []
+        if len(parts) != 2:
+            raise Unsupported(f"endpoint {value!r}")
+        start.append(_value(2, _addr(parts[0], family) + struct.pack(">H", _port(parts[1])) + b"\0\0"))
+    elif em.group("value") is not None:
+        raise Unsupported("delete element with data")
+    end = [_u32(3, NFT_SET_ELEM_INTERVAL_END), _value(1, struct.pack(">I", hi + 1))]
+    return _nest(1, *start) + _nest(1, *end)
+
+
+def _element(name: str, text: str, verb: str, family: int) -> bytes:
+    em = _ELEMENT.match(text)
+    if not em:
+        raise Unsupported(f"element {text[:40]!r}")
+    key = _element_key(name, em.group("key"), family)
+    elem = [_value(1, key)]                                    # NFTA_SET_ELEM_KEY
+    if verb == "add":
+        _, is_map = SETS[name]
+        value = em.group("value")
+        if is_map != (value is not None):
+            raise Unsupported(f"element data does not fit {name}")
+        if value is not None:
+            elem.append(_verdict(2, *_verdict_of(value)))      # NFTA_SET_ELEM_DATA
+        if em.group("comment") is not None:
+            elem.append(_attr(6, _udata_comment(em.group("comment"))))
+    elif em.group("value") is not None or em.group("comment") is not None:
+        raise Unsupported("delete element with data")
+    return _nest(1, *elem)
 
 
 def _parse(text: str) -> tuple[_Batch, list[str]]:

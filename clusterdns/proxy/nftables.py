@@ -9,7 +9,8 @@ trigger the walk) change only when a Service itself changes.
 
 * Endpoint choice: `dnat to numgen random mod 65536 offset O map @endpoints-B`.
   Each service port and traffic policy owns a slot of 65536 numbers (offset
-  O = slot * 65536) in one of BUCKETS shared interval maps per protocol; its ready endpoints
+  O = slot * 65536, the slot hashed from its name) in one of BUCKETS shared
+  interval maps per protocol; its ready endpoints
   split the slot into even ranges mapping to `address . port`. The maps are
   shared by the Services whose key hashes to the same bucket because the
   kernel looks sets up by name in a list: 10,000 maps in one table made a
@@ -90,6 +91,7 @@ ENDPOINTS_PREFIX = "endpoints-"
 
 BUCKETS = 512          # shared endpoint maps: a bucket holds the slots of the Services hashing to it
 SLOT = 65536           # numbers per service port and policy: the modulus of numgen
+SLOTS = 65535          # slots per map: offsets stay below 2**32 with room for the last range's end
 CLUSTER, LOCAL = "cluster", "local"
 
 
@@ -134,7 +136,7 @@ class NftState:
     The mappings are never mutated once built. `owned` records which objects
     each Service contributed, so a sync that knows which Services changed
     rebuilds only those; `refs` counts the owners of shared sets and
-    elements; `buckets` lists each endpoint map's slot keys in slot order;
+    elements; `buckets` maps each endpoint map's slot keys to their slots;
     `context` is what every Service's objects depend on besides the Service
     itself (base layout, node, options): when it changes, a sync rebuilds
     everything.
@@ -147,7 +149,7 @@ class NftState:
     owned: Mapping[tuple[str, str], Objects] = field(default_factory=dict)
     context: tuple = ()
     refs: Mapping[tuple, int] = field(default_factory=dict)
-    buckets: Mapping[tuple[str, int], tuple[tuple, ...]] = field(default_factory=dict)
+    buckets: Mapping[tuple[str, int], Mapping[tuple, int]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, int]:
         return {"chains": len(self.chains), "rules": sum(len(r) for r in self.chains.values()),
@@ -215,7 +217,7 @@ class _Builder:
 
 
 def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects], context: tuple,
-           buckets: Mapping[tuple[str, int], tuple] | None = None) -> NftState:
+           buckets: Mapping[tuple[str, int], Mapping[tuple, int]] | None = None) -> NftState:
     chains: dict[str, tuple[str, ...]] = dict(base.chains)
     decls: dict[str, str] = dict(base.chain_decls)
     sets: dict[str, tuple[str, str]] = dict(base.sets)
@@ -248,12 +250,36 @@ def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects],
     return NftState(family, chains, decls, sets, elements, owned, context, refs, buckets)
 
 
-def _buckets(owned: Mapping[tuple[str, str], Objects]) -> dict[tuple[str, int], tuple]:
+def _buckets(owned: Mapping[tuple[str, str], Objects]) -> dict[tuple[str, int], dict[tuple, int]]:
     out: dict[tuple[str, int], list] = {}
     for key, objs in owned.items():
         for sk in objs.slot_keys:
             out.setdefault((sk[3], bucket_of(key)), []).append(sk)
-    return {b: tuple(sorted(v)) for b, v in out.items()}
+    return {b: _assign(v) for b, v in out.items()}
+
+
+def _preferred_slot(slot_key: tuple) -> int:
+    digest = hashlib.sha256("/".join(slot_key).encode()).digest()
+    return int.from_bytes(digest[:4], "big") % SLOTS
+
+
+def _assign(members) -> dict[tuple, int]:
+    """Slots for one bucket's slot keys: each its hashed slot, the next free one on a collision.
+
+    A function of the membership alone (so an incremental sync and a full
+    render agree), and a Service joining or leaving moves another one only
+    when their slots collide (about 20 members in 65535 slots at 10,000
+    Services): a new Service rewrites no other Service's rules.
+    """
+    taken: set[int] = set()
+    out: dict[tuple, int] = {}
+    for sk in sorted(members, key=lambda k: (_preferred_slot(k), k)):
+        slot = _preferred_slot(sk)
+        while slot in taken:
+            slot = (slot + 1) % SLOTS
+        taken.add(slot)
+        out[sk] = slot
+    return out
 
 
 class _Layered(Mapping):
@@ -347,7 +373,7 @@ class _Layered(Mapping):
 
 
 def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None],
-           buckets: Mapping[tuple[str, int], tuple]) -> NftState:
+           buckets: Mapping[tuple[str, int], Mapping[tuple, int]]) -> NftState:
     """previous with the objects of the changed Services replaced (None: the Service is gone).
 
     O(changed Services): every mapping is a _Layered view over the previous one.
@@ -432,6 +458,38 @@ def _partial(family: int, objs: list[Objects]) -> NftState:
     return _merge(family, Objects(), {(str(i), ""): o for i, o in enumerate(objs)}, (), {})
 
 
+def _align_shared(old_side: NftState, new_side: NftState, previous: NftState, new: NftState) -> None:
+    """Make the diff of the changed Services' objects respect what other owners hold.
+
+    A set or element the changed Services gave up stays when the whole new
+    table still holds it (a bucket map, a hairpin pair of an endpoint shared
+    with another Service), and one they bring is not added again when the
+    table already held it. The sides are fresh dicts from _partial.
+    """
+    old_sets, new_sets = old_side.sets, new_side.sets
+    old_el, new_el = old_side.elements, new_side.elements
+    for name in list(old_sets):
+        if name not in new_sets and name in new.sets:
+            new_sets[name] = new.sets[name]            # type: ignore[index]
+            new_el.setdefault(name, {})                # type: ignore[attr-defined]
+    for name in list(new_sets):
+        if name not in old_sets and name in previous.sets:
+            old_sets[name] = previous.sets[name]       # type: ignore[index]
+            old_el.setdefault(name, {})                # type: ignore[attr-defined]
+    for name, elems in list(old_el.items()):
+        now = new.elements.get(name, {})
+        side = new_el.setdefault(name, {})             # type: ignore[attr-defined]
+        for key, text in elems.items():
+            if key not in side and now.get(key) == text:
+                side[key] = text
+    for name, elems in list(new_el.items()):
+        was = previous.elements.get(name, {})
+        side = old_el.setdefault(name, {})             # type: ignore[attr-defined]
+        for key, text in elems.items():
+            if key not in side and was.get(key) == text:
+                side[key] = text
+
+
 def render(state: ClusterState, cfg: Config, family: int = 4, *,
            previous: NftState | None = None,
            changed: Iterable[tuple[str, str]] | None = None,
@@ -467,6 +525,7 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
         new = _apply(previous, updates, buckets)
         old_side = _partial(family, [o for k in updates if (o := previous.owned.get(k)) is not None])
         new_side = _partial(family, [o for o in updates.values() if o is not None])
+        _align_shared(old_side, new_side, previous, new)
         text, count = diff_text(old_side, new_side)
         return NftRuleSet(text=text, state=new, full=False, changes=count)
 
@@ -529,8 +588,8 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
             b = bucket_of(key)
             for sk in sks:
                 by_bucket.setdefault((sk[3], b), []).append(sk)
-    buckets = {b: tuple(sorted(v)) for b, v in by_bucket.items()}
-    index = {sk: (b, i) for b, sks in buckets.items() for i, sk in enumerate(sks)}
+    buckets = {b: _assign(v) for b, v in by_bucket.items()}
+    index = {sk: (b, i) for b, sks in buckets.items() for sk, i in sks.items()}
     _, ipx, addr_type = _fam(family)
     ctx = (family, node, zone, cfg.masquerade_all)
     old = cache.entries if cache is not None and cache.context == ctx else {}
@@ -569,13 +628,13 @@ def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeIn
                 b = (proto, num)
                 now = (set(buckets.get(b, ())) - set(old_sk)) | {sk for sk in new_sk if sk[3] == proto}
                 if now:
-                    buckets[b] = tuple(sorted(now))
+                    buckets[b] = _assign(now)
                 else:
                     buckets.pop(b, None)
                 touched.add(b)
     for b in touched:
-        before = {sk: i for i, sk in enumerate(previous.buckets.get(b, ()))}
-        for i, sk in enumerate(buckets.get(b, ())):
+        before = previous.buckets.get(b, {})
+        for sk, i in buckets.get(b, {}).items():
             mate = (sk[0], sk[1])
             if before.get(sk) != i and mate not in pairs:
                 pairs[mate] = service_ports_for(state, mate, family, cfg.node_name, zone)
@@ -587,7 +646,7 @@ def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeIn
             continue
         sks = _slot_keys(ps)
         num = bucket_of(key) if sks else 0
-        slots = tuple(((sk[3], num), buckets[(sk[3], num)].index(sk)) for sk in sks)
+        slots = tuple(((sk[3], num), buckets[(sk[3], num)][sk]) for sk in sks)
         updates[key] = _objects(ps, sks, slots, node, cfg, ipx, addr_type)
     return updates, buckets
 
@@ -836,11 +895,12 @@ def _rules_and_elements(out: list[str], t: str, new: NftState) -> None:
         if rules:
             p = rule + name + " "
             out.append(p + ("\n" + p).join(rules))
+    # one statement per set: nft sends its elements in few messages (one per element was
+    # 220,000 commands at 10,000 Services, each looking the set up by name in the kernel)
     element = f"add element {t} "
     for name, elems in new.elements.items():
         if elems:
-            p = element + name + " { "
-            out.append(p + (" }\n" + p).join(elems.values()) + " }")
+            out.append(element + name + " { " + ", ".join(elems.values()) + " }")
 
 
 def resync_text(old: NftState, new: NftState) -> str:

@@ -76,20 +76,20 @@ KUBE_PROXY_SERVICES = textwrap.dedent("""\
     add set ip kube-proxy affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80 { type ipv4_addr ; flags dynamic,timeout ; timeout 10800s ; }
     add map ip kube-proxy endpoints-tcp-132 { typeof numgen random mod 65536 : ip daddr . tcp dport ; flags interval ; }
     add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-    add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 map @endpoints-tcp-210
+    add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 764084224 map @endpoints-tcp-210
     add rule ip kube-proxy service-42NFTM6N-ns2/svc2/tcp/p80 ip daddr 172.30.0.42 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-    add rule ip kube-proxy service-42NFTM6N-ns2/svc2/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 map @endpoints-tcp-171
-    add rule ip kube-proxy local-42NFTM6N-ns2/svc2/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 65536 map @endpoints-tcp-171
+    add rule ip kube-proxy service-42NFTM6N-ns2/svc2/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 3440640000 map @endpoints-tcp-171
+    add rule ip kube-proxy local-42NFTM6N-ns2/svc2/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 2130051072 map @endpoints-tcp-171
     add rule ip kube-proxy external-42NFTM6N-ns2/svc2/tcp/p80 ip saddr 10.0.0.0/8 goto service-42NFTM6N-ns2/svc2/tcp/p80 comment "short-circuit pod traffic"
     add rule ip kube-proxy external-42NFTM6N-ns2/svc2/tcp/p80 fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"
     add rule ip kube-proxy external-42NFTM6N-ns2/svc2/tcp/p80 fib saddr type local goto service-42NFTM6N-ns2/svc2/tcp/p80 comment "short-circuit local traffic"
     add rule ip kube-proxy external-42NFTM6N-ns2/svc2/tcp/p80 goto local-42NFTM6N-ns2/svc2/tcp/p80
     add rule ip kube-proxy service-4AT6LBPK-ns3/svc3/tcp/p80 ip daddr 172.30.0.43 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-    add rule ip kube-proxy service-4AT6LBPK-ns3/svc3/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 map @endpoints-tcp-137
+    add rule ip kube-proxy service-4AT6LBPK-ns3/svc3/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 3644063744 map @endpoints-tcp-137
     add rule ip kube-proxy external-4AT6LBPK-ns3/svc3/tcp/p80 jump mark-for-masquerade
     add rule ip kube-proxy external-4AT6LBPK-ns3/svc3/tcp/p80 goto service-4AT6LBPK-ns3/svc3/tcp/p80
     add rule ip kube-proxy service-LAUZTJTB-ns4/svc4/tcp/p80 ip daddr 172.30.0.44 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-    add rule ip kube-proxy service-LAUZTJTB-ns4/svc4/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 map @endpoints-tcp-245
+    add rule ip kube-proxy service-LAUZTJTB-ns4/svc4/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 1703018496 map @endpoints-tcp-245
     add rule ip kube-proxy external-LAUZTJTB-ns4/svc4/tcp/p80 jump mark-for-masquerade
     add rule ip kube-proxy external-LAUZTJTB-ns4/svc4/tcp/p80 goto service-LAUZTJTB-ns4/svc4/tcp/p80
     add rule ip kube-proxy service-HVFWP5L3-ns5/svc5/tcp/p80 ip daddr 172.30.0.45 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
@@ -101,15 +101,20 @@ KUBE_PROXY_SERVICES = textwrap.dedent("""\
     add rule ip kube-proxy endpoint-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80 update @affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80 { ip saddr }
     add rule ip kube-proxy endpoint-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80 meta l4proto tcp dnat to 10.180.0.3:80
     add rule ip kube-proxy service-Y3O5BOQO-ns6/svc6/tcp/p80 ip daddr 172.30.0.46 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-    add rule ip kube-proxy service-Y3O5BOQO-ns6/svc6/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 map @endpoints-tcp-132
+    add rule ip kube-proxy service-Y3O5BOQO-ns6/svc6/tcp/p80 meta l4proto tcp dnat to numgen random mod 65536 offset 4141547520 map @endpoints-tcp-132
+    add element ip kube-proxy endpoints-tcp-210 { 764084224-764149759 : 10.180.0.1 . 80 }
+    add element ip kube-proxy endpoints-tcp-171 { 3440640000-3440705535 : 10.180.0.2 . 80 }
+    add element ip kube-proxy endpoints-tcp-137 { 3644063744-3644129279 : 10.180.0.3 . 80 }
+    add element ip kube-proxy endpoints-tcp-245 { 1703018496-1703051263 : 10.180.0.4 . 80 }
+    add element ip kube-proxy endpoints-tcp-245 { 1703051264-1703084031 : 10.180.0.5 . 80 }
     add element ip kube-proxy hairpin { 10.180.0.1 . 10.180.0.1 }
     add element ip kube-proxy hairpin { 10.180.0.2 . 10.180.0.2 }
     add element ip kube-proxy hairpin { 10.180.0.3 . 10.180.0.3 }
     add element ip kube-proxy hairpin { 10.180.0.4 . 10.180.0.4 }
     add element ip kube-proxy hairpin { 10.180.0.5 . 10.180.0.5 }
     add element ip kube-proxy no-endpoint-reject { 172.30.0.46 . tcp . 80 comment "ns6/svc6:p80" }
-    add element ip kube-proxy no-endpoint-drop { 192.168.99.22 . tcp . 80 comment "ns2/svc2:p80" }
     add element ip kube-proxy no-endpoint-drop { 1.2.3.4 . tcp . 80 comment "ns2/svc2:p80" }
+    add element ip kube-proxy no-endpoint-drop { 192.168.99.22 . tcp . 80 comment "ns2/svc2:p80" }
     add element ip kube-proxy no-endpoint-nodeport-drop { tcp . 3001 comment "ns2/svc2:p80" }
     add element ip kube-proxy firewall-ips { 5.6.7.8 . tcp . 80 comment "ns5/svc5:p80" : goto firewall-HVFWP5L3-ns5/svc5/tcp/p80 }
     add element ip kube-proxy service-ips { 172.30.0.41 . tcp . 80 : goto service-ULMVA6XW-ns1/svc1/tcp/p80 }
@@ -125,11 +130,6 @@ KUBE_PROXY_SERVICES = textwrap.dedent("""\
     add element ip kube-proxy service-nodeports { tcp . 3001 : goto external-42NFTM6N-ns2/svc2/tcp/p80 }
     add element ip kube-proxy service-nodeports { tcp . 3003 : goto external-4AT6LBPK-ns3/svc3/tcp/p80 }
     add element ip kube-proxy service-nodeports { tcp . 3002 : goto external-HVFWP5L3-ns5/svc5/tcp/p80 }
-    add element ip kube-proxy endpoints-tcp-210 { 0-65535 : 10.180.0.1 . 80 }
-    add element ip kube-proxy endpoints-tcp-171 { 0-65535 : 10.180.0.2 . 80 }
-    add element ip kube-proxy endpoints-tcp-137 { 0-65535 : 10.180.0.3 . 80 }
-    add element ip kube-proxy endpoints-tcp-245 { 0-32767 : 10.180.0.4 . 80 }
-    add element ip kube-proxy endpoints-tcp-245 { 32768-65535 : 10.180.0.5 . 80 }
     """)
 
 _PER_SERVICE = ("service-", "endpoint-", "external-", "firewall-", "local-", "affinity-")
@@ -148,11 +148,24 @@ def per_service(text: str) -> dict[str, list[str]]:
         if kind == "rule" and name.startswith(_PER_SERVICE) and not name.endswith("-check"):
             out.setdefault(name, []).append(line)
         elif kind == "element" and (name in _MAPS or name.startswith("endpoints-")):
-            out.setdefault(name, []).append(line)
+            # one statement per element, however the text groups them
+            head, _, body = line.partition(" { ")
+            out.setdefault(name, []).extend(f"{head} {{ {e} }}" for e in body[:-2].split(", "))
         elif kind in ("set", "map") and name.startswith(("affinity-", "endpoints-")):
             out.setdefault(name, []).append(line)
     return {k: sorted(v) if not k.startswith(_PER_SERVICE) or k.startswith("affinity-") else v
             for k, v in out.items()}
+
+
+def elements(text: str, family: str = "ip") -> set[str]:
+    """Every element of a text as "set { element }", however its statements group them."""
+    out = set()
+    for line in text.splitlines():
+        head = f"add element {family} kube-proxy "
+        if line.startswith(head):
+            name, _, body = line[len(head):].partition(" { ")
+            out |= {f"{name} {{ {e} }}" for e in body[:-2].split(", ")}
+    return out
 
 
 def test_kube_proxy_cluster_service_objects():
@@ -190,9 +203,9 @@ def test_service_cidr_drop_and_primary_nodeport_ip():
     assert ('add rule ip kube-proxy cluster-ips-check ip daddr { 172.20.0.0/16 } drop comment '
             '"Drop traffic to unallocated ClusterIPs"') in text
     # kube-proxy's nftables default: NodePorts on the primary node IP only
-    assert "add element ip kube-proxy nodeport-ips { 192.168.49.2 }" in text
+    assert "nodeport-ips { 192.168.49.2 }" in elements(text)
     assert "ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports" in text
-    assert "add element ip kube-proxy cluster-ips { 172.20.36.232 }" in text
+    assert "cluster-ips { 172.20.36.232 }" in elements(text)
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -209,8 +222,9 @@ def test_demo_golden(family):
 def test_demo_v6():
     text = nftables.render(demo_state(), DEMO_CFG, 6).text
     assert "add table ip6 kube-proxy" in text and " ip kube-proxy" not in text
-    assert "add element ip6 kube-proxy service-ips { fd00:20::5 . tcp . 80 : goto service-" in text
-    assert " : fd00:161::2 . 8080 }" in text and "dnat to numgen random mod 65536" in text
+    assert any(e.startswith("service-ips { fd00:20::5 . tcp . 80 : goto service-") for e in elements(text, "ip6"))
+    assert any(e.endswith(" : fd00:161::2 . 8080 }") for e in elements(text, "ip6"))
+    assert "dnat to numgen random mod 65536" in text
     assert "ip6 daddr fd00:20::5 tcp dport 80 ip6 saddr != fd00:161::/64 jump mark-for-masquerade" in text
     assert "add chain ip6 kube-proxy endpoint-" not in text   # no affinity in the demo: no endpoint chains
 
@@ -327,8 +341,8 @@ def test_v6_features():
     assert "ip6 saddr != { 2001:db8:1::/48, fd00:1::/64, 2001:db8::8 } drop" in text
     assert "{ type ipv6_addr ; flags dynamic,timeout ; timeout 600s ; }" in text
     assert "update @affinity-" in text and "{ ip6 saddr }" in text
-    assert 'add element ip6 kube-proxy no-endpoint-reject { fd00:20::42 . tcp . 80 comment "ns2/none:p80" }' in text
-    assert "add element ip6 kube-proxy nodeport-ips { fd00:1::2 }" in text
+    assert 'no-endpoint-reject { fd00:20::42 . tcp . 80 comment "ns2/none:p80" }' in elements(text, "ip6")
+    assert "nodeport-ips { fd00:1::2 }" in elements(text, "ip6")
 
 
 def _mutations():
@@ -503,5 +517,6 @@ def test_resync_text_shape():
     assert rs.full and "delete table ip kube-proxy" not in lines
     assert "flush map ip kube-proxy service-ips" in lines
     assert not any(line.startswith("flush set ip kube-proxy affinity-") for line in lines)
-    assert sorted(x for x in lines if x.startswith(("add rule", "add element"))) == \
-        sorted(x for x in full.text.splitlines() if x.startswith(("add rule", "add element")))
+    assert sorted(x for x in lines if x.startswith("add rule")) == \
+        sorted(x for x in full.text.splitlines() if x.startswith("add rule"))
+    assert elements(rs.text) == elements(full.text)
