@@ -156,5 +156,10 @@ class Cache:
         _HITS["denial" if entry.negative else "success"].inc()
         return left
 
+    def discard(self, key: Key | None) -> None:
+        """Forget the entry under `key` (if any)."""
+        if key is not None:
+            self._store.pop(key, None)
+
     def clear(self) -> None:
         self._store.clear()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import random
 import struct
+import time
 from typing import Callable, Protocol
 
 import cachetools
@@ -22,7 +23,7 @@ from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 
 from ..config import Config
 from ..state import ClusterState
-from . import names, resolvconf, xfr
+from . import metrics, names, resolvconf, xfr
 from .cache import _with_ttl as records_with_ttl
 from .cache import cache_key
 from .names import Labels
@@ -62,6 +63,7 @@ from .zone import label as zone_label
 
 log = logging.getLogger(__name__)
 
+PANIC_LOG_INTERVAL = 1.0     # seconds between logged tracebacks of our own failures
 _FLAGS_MASK_UPSTREAM = 0x87FF  # QR..RCODE of an upstream reply, opcode cleared
 
 
@@ -136,6 +138,7 @@ class Engine:
         self._nx_view: ZoneView | None = None
         self._nx_entries: dict[tuple, Body] = {}
         self._building: dict[tuple, asyncio.Future] = {}    # big answers being built, by (view, key)
+        self._panics, self._panic_logged = 0, -PANIC_LOG_INTERVAL
 
     # --- state -------------------------------------------------------------------------
 
@@ -272,8 +275,13 @@ class Engine:
         """Answer any query; a list of messages only for zone transfers; None to drop it."""
         try:
             return await self._resolve(data, client_ip, tcp)
-        except Exception:  # never raise into the server: answer SERVFAIL
-            log.exception("failed to answer a query")
+        except Exception:  # our bug; never raise into the server: count it, answer SERVFAIL
+            metrics.panic()
+            self._panics += 1
+            now = time.monotonic()
+            if now - self._panic_logged >= PANIC_LOG_INTERVAL:     # one traceback per interval
+                log.exception("failed to answer a query (%d since the last report)", self._panics)
+                self._panic_logged, self._panics = now, 0
             if len(data) < 12 or data[2] & 0x80:
                 return None
             q = _Query(data, tcp, client_ip)
@@ -473,9 +481,17 @@ class Engine:
         reply = await self.forwarder.query(request, q.tcp)
         if reply is None:
             return self._error(q, SERVFAIL)
-        if remember and self._fcache is not None and not self._probes:
-            self._remember_forwarded(q)
-        return self._upstream_reply(q, reply)
+        try:
+            if remember and self._fcache is not None and not self._probes:
+                self._remember_forwarded(q)
+            return self._upstream_reply(q, reply)
+        except Exception:
+            # a failure of ours must not outlive this query: forget what the cache holds for it
+            if self._fcache is not None and q.record is not None:
+                self._fcache.discard(cache_key(q.record))
+            self._fwd.pop(q.data[12:q.qend - 4].lower() + q.data[q.qend - 4:q.qend - 2] + bytes(
+                ((2 if q.do else 0) | (1 if q.data[3] & 0x10 else 0),)), None)
+            raise
 
     def _upstream_reply(self, q: _Query, reply: DNSRecord, prefix: list | None = None) -> bytes:
         flags = (reply.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR

@@ -4,10 +4,17 @@ The transport follows the client (UDP -> UDP, TCP -> TCP); a truncated UDP
 reply is retried over TCP so the cache holds whole answers (the server then
 fits the reply to the client's size). Upstreams are tried in random order,
 healthy ones first; `max_fails` consecutive failures mark one unhealthy and a
-`. IN NS` probe every `health_interval` seconds brings it back. Each try reads
-for at most `read_timeout`, a whole query takes at most `overall_timeout`;
-when everything failed, a stale cached answer is served if there is one,
-else None (the engine answers SERVFAIL).
+`. IN NS` probe every `health_interval` seconds brings it back. Each try
+(connect, send and read, a TCP retry after TC included) takes at most
+`read_timeout`, a whole query at most `overall_timeout`: one deadline across
+the tries. When everything failed, a stale cached answer is served if there is
+one, else None (the engine answers SERVFAIL).
+
+A reply is taken only if it is one: QR set, our ID and question, from the
+address asked (a connected UDP socket; the TCP stream), and every name in it
+a name (at most 255 octets). Anything else (an echoed query, a stray or
+spoofed datagram) is ignored while the try waits on; an unusable reply fails
+the try, is never cached, and is logged at most once per `LOG_INTERVAL`.
 
 Loop detection (CoreDNS's `loop`): at start a random `HINFO` name is sent to
 each upstream; when that name comes back into this forwarder more than twice,
@@ -24,10 +31,13 @@ import time
 from dataclasses import dataclass, field
 
 import dnslib
+from dnslib.buffer import BufferError as DNSBufferError
+from dnslib.label import DNSLabelError
 
 from ..config import Config, parse_hostport
 from . import metrics, resolvconf
 from .cache import Cache, cache_key
+from .wire import question_end
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +48,15 @@ HEALTH_INTERVAL = 0.5
 MAX_UPSTREAMS = 15
 MAX_CONCURRENT = 1000
 LOOP_THRESHOLD = 2     # the probe seen more than this many times = loop
+LOG_INTERVAL = 10.0    # seconds between warnings about unusable upstream replies
 
 
 class UpstreamError(Exception):
     """One try at one upstream failed (timeout, refused, bad reply)."""
+
+
+class UnusableReply(UpstreamError):
+    """The upstream's reply cannot be used (unparsable, or a name longer than a name may be)."""
 
 
 @dataclass(eq=False)
@@ -82,31 +97,54 @@ def upstreams_from(cfg: Config) -> list[tuple[str, int]]:
     return found[:MAX_UPSTREAMS]
 
 
+def is_reply_to(data: bytes, wire: bytes) -> bool:
+    """Is `data` a response (QR set) with the ID and question of the query `wire`? Question
+    names compare case-insensitively (some resolvers change the case, as 0x20 probing does)."""
+    if len(data) < 12 or data[:2] != wire[:2] or not data[2] & 0x80:
+        return False
+    qend = question_end(wire)
+    if qend < 0:
+        return False
+    question = wire[12:qend]
+    return data[4:6] == b"\x00\x01" and data[12:12 + len(question)].lower() == question.lower()
+
+
 async def exchange(upstream: Upstream, wire: bytes, tcp: bool, timeout: float) -> bytes:
-    """One query to one upstream; returns the reply bytes or raises UpstreamError."""
+    """One query to one upstream; returns the reply bytes or raises UpstreamError.
+
+    `timeout` bounds the whole exchange (connect, send, every read). Datagrams that are not
+    the reply (an echo of the query, another ID or question) are ignored; over TCP the
+    answer must be the reply."""
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    def left() -> float:
+        return max(0.0, deadline - loop.time())
     try:
         if tcp:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(upstream.host, upstream.port), timeout)
+                asyncio.open_connection(upstream.host, upstream.port), left())
             try:
                 writer.write(struct.pack("!H", len(wire)) + wire)
-                size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), timeout))[0]
-                return await asyncio.wait_for(reader.readexactly(size), timeout)
+                size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), left()))[0]
+                data = await asyncio.wait_for(reader.readexactly(size), left())
             finally:
                 writer.close()
+            if not is_reply_to(data, wire):
+                raise UpstreamError(f"{upstream.address}: the TCP answer is not a reply to the query")
+            return data
         sock = socket.socket(upstream.family, socket.SOCK_DGRAM)
         try:
             sock.setblocking(False)
-            # Connected: ICMP port-unreachable surfaces as ConnectionRefusedError at once.
+            # Connected: only datagrams from the address asked arrive, and ICMP
+            # port-unreachable surfaces as ConnectionRefusedError at once.
             sock.connect((upstream.host, upstream.port))
             await loop.sock_sendall(sock, wire)
-            deadline = loop.time() + timeout
             while True:
-                data = await asyncio.wait_for(loop.sock_recv(sock, 65535), max(0.0, deadline - loop.time()))
-                if data[:2] == wire[:2]:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 65535), left())
+                if is_reply_to(data, wire):
                     return data
-                # a stray or spoofed datagram: keep waiting for ours
+                # an echo, a stray or spoofed datagram: keep waiting for ours
         finally:
             sock.close()
     except (asyncio.TimeoutError, OSError, asyncio.IncompleteReadError, struct.error) as exc:
@@ -128,6 +166,8 @@ class Forward:
         self._inflight = 0
         self._probes: dict[str, Upstream] = {}    # loop-probe name -> upstream probed
         self._probe_seen: dict[str, int] = {}
+        self._bad_logged = -LOG_INTERVAL
+        self._bad_count = 0
         if cache is not None:
             metrics.register_cache(cache)
 
@@ -209,12 +249,17 @@ class Forward:
             started = time.perf_counter()
             metrics.forward_requests.labels(up.address).inc()
             try:
-                data = await exchange(up, wire, tcp, min(self.read_timeout, left))
+                try_end = loop.time() + min(self.read_timeout, left)   # one bound for this try
+                data = await exchange(up, wire, tcp, try_end - loop.time())
                 reply = self._check(query, data, up)
                 if reply.header.tc and not tcp:
-                    # Retry over TCP for the whole answer (cache it whole).
-                    data = await exchange(up, wire, True, min(self.read_timeout, max(0.01, deadline - loop.time())))
+                    # Retry over TCP for the whole answer (cache it whole), within the same try.
+                    data = await exchange(up, wire, True, max(0.0, try_end - loop.time()))
                     reply = self._check(query, data, up)
+            except UnusableReply as exc:
+                self._unusable(str(exc))
+                self._failed(up, str(exc))
+                continue
             except UpstreamError as exc:
                 self._failed(up, str(exc))
                 continue
@@ -229,13 +274,27 @@ class Forward:
     def _check(query: dnslib.DNSRecord, data: bytes, up: Upstream) -> dnslib.DNSRecord:
         try:
             reply = dnslib.DNSRecord.parse(data)
-        except (dnslib.DNSError, ValueError, IndexError, struct.error) as exc:
-            raise UpstreamError(f"{up.address}: unparsable reply ({exc})") from None
-        if reply.header.id != query.header.id or [
+        except (dnslib.DNSError, DNSLabelError, DNSBufferError, ValueError, IndexError, struct.error) as exc:
+            raise UnusableReply(f"{up.address}: unparsable reply ({exc})") from None
+        if not reply.header.qr or reply.header.id != query.header.id or [
                 (str(q.qname).lower(), q.qtype, q.qclass) for q in reply.questions] != [
                 (str(q.qname).lower(), q.qtype, q.qclass) for q in query.questions]:
             raise UpstreamError(f"{up.address}: reply does not match the query")
+        try:
+            # every name must be one (RFC 1035: at most 255 octets): a reply we could not
+            # write back is the upstream's fault, not ours, and must never be cached
+            reply.pack()
+        except (dnslib.DNSError, DNSLabelError, DNSBufferError, ValueError, IndexError, struct.error) as exc:
+            raise UnusableReply(f"{up.address}: unusable reply ({exc})") from None
         return reply
+
+    def _unusable(self, reason: str) -> None:
+        """An upstream sent a reply we cannot use: a warning at most every LOG_INTERVAL."""
+        self._bad_count += 1
+        now = time.monotonic()
+        if now - self._bad_logged >= LOG_INTERVAL:
+            log.warning("upstream reply ignored (%d since the last report): %s", self._bad_count, reason)
+            self._bad_logged, self._bad_count = now, 0
 
     def _failed(self, up: Upstream, reason: str) -> None:
         up.fails += 1
