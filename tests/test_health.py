@@ -186,3 +186,23 @@ async def test_a_busy_dns_metrics_port_stops_the_start():
             await get(ports["health"], "/health")
     finally:
         taken.close()
+
+
+async def test_dns_and_proxy_metrics_on_one_address_serve_each_family_once():
+    import clusterdns.dns.metrics  # noqa: F401
+    import clusterdns.proxy.proxier  # noqa: F401
+    from tests.netutil import free_port
+    port = free_port()
+    cfg = load(["agent", "--manifest", "x", "--health-listen", "none", "--metrics-listen", f"127.0.0.1:{port}",
+                "--proxy-metrics-listen", f"127.0.0.1:{port}"], env={})
+    srv = HealthServer(cfg, roles=("dns", "proxy"))
+    await srv.start()
+    try:
+        text = (await get(port, "/metrics"))[1]
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types))          # process_* of both registries once
+        assert {"coredns_build_info", "kubeproxy_sync_proxy_rules_duration_seconds",
+                "process_cpu_seconds_total", "clusterdns_state_version"} <= set(types)
+        assert (await get(port, "/health"))[0] == 404
+    finally:
+        await srv.stop()

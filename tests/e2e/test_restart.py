@@ -80,7 +80,8 @@ def write(path, services):
 def config(path):
     return load(["agent", "--manifest", str(path), "--proxy-mode", "iptables", "--apply",
                  "--listen", "127.0.0.1:0", "--no-upstream", "--health-listen", "none",
-                 "--metrics-listen", "none", "--lameduck", "0", "--min-sync-period", "0",
+                 "--metrics-listen", "none", "--proxy-metrics-listen", "none", "--lameduck", "0",
+                 "--min-sync-period", "0",
                  "--node-ip", "192.168.77.2", "--cluster-cidr", "10.0.0.0/8"], env={})
 
 
