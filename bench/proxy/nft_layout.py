@@ -8,7 +8,8 @@ Needs root. In a scratch network namespace (created and deleted here):
   times each; the render is timed separately;
 * one-endpoint change: render(previous=..., changed={key}) + the netlink batch
   (what the proxier does), `--runs` times, each on another Service;
-* a new Service (10 endpoints): render + netlink batch, `--runs` times.
+* a new Service (10 endpoints): render + netlink batch, `--runs` times;
+* nftables.programmed(): what a restarted agent reads back from the kernel.
 Prints medians (min, max). The old layout's figures (kube-proxy's per-endpoint
 chains, measured on this machine when issue 7 was filed) are the baseline:
 full load 170 s, one-endpoint change 221-306 ms. The machine is shared by
@@ -82,6 +83,15 @@ def main() -> int:
         print(f"full nft -f into an empty namespace:  {med(empty, 1, 's')}   (old layout: {OLD_FULL_S:.0f} s, "
               f"{OLD_FULL_S / statistics.median(empty):.0f}x)")
         print(f"full nft -f over the existing table:  {med(existing, 1, 's')}")
+
+        reads = []
+        for _ in range(args.loads):
+            t0 = time.perf_counter()
+            found = nftables.programmed(4, netns=ns)
+            reads.append(time.perf_counter() - t0)
+        if len(found) != args.services or any(len(eps) != args.endpoints for eps in found.values()):
+            raise SystemExit(f"programmed() read {len(found)} service ports back, not {args.services}")
+        print(f"programmed() (restart adoption read, netlink): {med(reads)}")
 
         previous = full.state
         slices = sorted(store.current.slices)

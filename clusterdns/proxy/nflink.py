@@ -843,7 +843,7 @@ __all__ = ["NflinkError", "Unsupported", "apply", "close_all", "supported"]
 # ---------------------------------------------------------------- reading (dumps)
 
 NLM_F_DUMP = 0x300
-GETSET, GETSETELEM = 10, 13
+GETRULE, GETSET, GETSETELEM = 7, 10, 13
 
 
 def attrs(data: bytes) -> dict[int, list[bytes]]:

@@ -997,10 +997,122 @@ def diff_text(old: NftState, new: NftState) -> tuple[str, int]:
     return ("\n".join(out) + "\n" if out else ""), len(out)
 
 
+def programmed(family: int = 4, netns: str | None = None) -> dict[tuple[str, str, int], frozenset[str]]:
+    """What a previous clusterdns left in the kernel: (ClusterIP, protocol, port) -> "ip:port" endpoints.
+
+    Read over netlink (no nft process, no listing of the whole ruleset):
+    `service-ips` elements whose verdict goes to a service-/local- chain, those
+    chains' rules (the endpoint map and offset of their dnat, or the endpoint
+    chains of an affinity Service), and the endpoint maps' elements in the slot.
+    Both the Cluster and the Local chain of a port count. A port without
+    endpoints maps to an empty set; no table (or no access): an empty dict.
+    IPv6 endpoints are "[ip]:port"; protocols are upper case (TCP, UDP, SCTP).
+    """
+    from . import nflink
+    try:
+        return _programmed(family, netns, nflink)
+    except nflink.NflinkError as exc:
+        if exc.errno == 2:   # ENOENT: no table
+            return {}
+        raise
+
+
+def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, int], frozenset[str]]:
+    table = nflink._str(1, n.NFT_TABLE)
+    size = 16 if family == 6 else 4
+    protos = {v: k.upper() for k, v in nflink.PROTOS.items()}
+
+    def data(attr: bytes) -> bytes:
+        return nflink.attrs(attr)[1][0]           # NFTA_DATA_VALUE
+
+    def verdict_chain(attr: bytes) -> str | None:
+        v = nflink.attrs(nflink.attrs(attr)[2][0])     # NFTA_DATA_VERDICT
+        return v[2][0].rstrip(b"\0").decode() if 2 in v else None
+
+    def elements(set_name: str):
+        for msg in nflink.dump(nflink.GETSETELEM, family, table + nflink._str(2, set_name), netns=netns):
+            for lst in msg.get(3, ()):
+                for elem in nflink.attrs(lst).get(1, ()):
+                    yield nflink.attrs(elem)
+
+    # ClusterIP port -> the dispatch chains it goes to
+    ports: dict[tuple[str, str, int], str] = {}
+    for e in elements(SERVICE_IPS):
+        if 1 not in e or 2 not in e:
+            continue
+        key = data(e[1][0])
+        chain = verdict_chain(e[2][0])
+        if chain is None or not chain.startswith(("service-", "local-")):
+            continue    # externalIPs and LB IPs go to external- chains
+        ip = str(ipaddress.ip_address(key[:size]))
+        ports[(ip, protos.get(key[size], str(key[size])), int.from_bytes(key[size + 4:size + 6], "big"))] = chain
+    # every rule of the table: (map, offset) of each dnat, the endpoint chains of affinity dispatch
+    dnat: dict[str, list[tuple[str, int]]] = {}
+    targets: dict[str, list[str]] = {}
+    direct: dict[str, str] = {}
+    for msg in nflink.dump(nflink.GETRULE, family, table, netns=netns):
+        chain = msg[2][0].rstrip(b"\0").decode()
+        exprs = [nflink.attrs(x) for x in nflink.attrs(msg[4][0]).get(1, ())] if 4 in msg else []
+        offset, lookup, ep_ip = 0, None, ""
+        for ex in exprs:
+            name = ex[1][0].rstrip(b"\0").decode()
+            body = nflink.attrs(ex[2][0]) if 2 in ex else {}
+            if name == "numgen":
+                offset = int.from_bytes(body[4][0], "big") if 4 in body else 0
+            elif name == "lookup" and 3 in body:
+                lookup = body[1][0].rstrip(b"\0").decode()
+            elif name == "immediate" and 2 in body:
+                value = nflink.attrs(body[2][0])
+                if 2 in value:        # a verdict: an affinity Service's endpoint chains
+                    target = verdict_chain(body[2][0])
+                    if target and target.startswith("endpoint-"):
+                        targets.setdefault(chain, []).append(target)
+                elif 1 in value:      # the address, then the port, of `dnat to IP:port`
+                    raw = value[1][0]
+                    if len(raw) == size:
+                        ep_ip = str(ipaddress.ip_address(raw))
+                        ep_ip = f"[{ep_ip}]" if family == 6 else ep_ip
+                    elif len(raw) == 2 and ep_ip:
+                        direct[chain] = f"{ep_ip}:{int.from_bytes(raw, 'big')}"
+            elif name == "nat" and lookup and lookup.startswith(ENDPOINTS_PREFIX):
+                dnat.setdefault(chain, []).append((lookup, offset))
+    slots_wanted: dict[str, list[int]] = {}
+    for chains in dnat.values():
+        for m, off in chains:
+            slots_wanted.setdefault(m, []).append(off)
+    in_slot: dict[tuple[str, int], set[str]] = {}
+    for m, offsets in slots_wanted.items():
+        wanted = set(offsets)
+        for e in elements(m):
+            if 1 not in e or 2 not in e:
+                continue   # interval ends
+            start = int.from_bytes(data(e[1][0]), "big")
+            off = start - start % SLOT
+            if off not in wanted:
+                continue
+            value = data(e[2][0])
+            ip = str(ipaddress.ip_address(value[:size]))
+            port = int.from_bytes(value[size:size + 2], "big")
+            in_slot.setdefault((m, off), set()).add((f"[{ip}]" if family == 6 else ip) + f":{port}")
+    out: dict[tuple[str, str, int], frozenset[str]] = {}
+    for key, chain in ports.items():
+        base = chain.split("-", 1)[1]
+        eps: set[str] = set()
+        for c in ("service-" + base, "local-" + base):
+            for m, off in dnat.get(c, ()):
+                eps |= in_slot.get((m, off), set())
+            for target in targets.get(c, ()):
+                if direct.get(target):
+                    eps.add(direct[target])
+        out[key] = frozenset(eps)
+    return out
+
+
 def cleanup_text(family: int = 4) -> str:
     """An nft -f script removing clusterdns's table (and nothing else); safe when it is absent."""
     fam, _, _ = _fam(family)
     return f"add table {fam} {n.NFT_TABLE}\ndelete table {fam} {n.NFT_TABLE}\n"
 
 
-__all__ = ["NftRuleSet", "NftState", "RenderCache", "build", "cleanup_text", "diff_text", "full_text", "render", "shares"]
+__all__ = ["NftRuleSet", "NftState", "RenderCache", "build", "cleanup_text", "diff_text", "full_text",
+           "programmed", "render", "shares"]

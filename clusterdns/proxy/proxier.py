@@ -230,6 +230,18 @@ class NftablesBackend:
     def reset(self) -> None:
         self.previous = None
 
+    async def programmed(self) -> dict:
+        """(ClusterIP, protocol, port) -> "ip:port" endpoints a previous process left in the
+        kernel, read over netlink from the service and endpoint maps (nftables.programmed)."""
+        from . import nflink, nftables
+        netns = self.exe.netlink_netns
+        if netns is False or netns is True:
+            return {}   # a fake or wrapped runner: the kernel is not ours to read
+        try:
+            return await asyncio.to_thread(nftables.programmed, self.family, netns)
+        except nflink.NflinkError as exc:
+            raise ApplyError(Result(("nfnetlink",), 1, "", str(exc))) from None
+
     async def canary_ok(self) -> bool:
         return await self.exe.table_exists()
 

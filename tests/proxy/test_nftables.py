@@ -520,3 +520,63 @@ def test_resync_text_shape():
     assert sorted(x for x in lines if x.startswith("add rule")) == \
         sorted(x for x in full.text.splitlines() if x.startswith("add rule"))
     assert elements(rs.text) == elements(full.text)
+
+
+# ---------------------------------------------------------------- what a previous process left (restart adoption)
+
+def _expected_programmed(st, cfg, family):
+    """(ClusterIP, protocol, port) -> endpoints of its Cluster and Local dispatch, from the state."""
+    from clusterdns.proxy import servicemap
+    out = {}
+    for info, cat in servicemap.service_ports(st, cfg, family):
+        eps = set()
+        if not info.internal_local or info.externally_accessible:
+            eps |= {e.endpoint for e in cat.cluster}
+        if info.uses_local_endpoints:
+            eps |= {e.endpoint for e in cat.local}
+        out[(info.cluster_ip, info.protocol.upper(), info.port_number)] = frozenset(eps)
+    return out
+
+
+@needs_netns
+def test_programmed_reads_back_the_kernel(netns):
+    from clusterdns.proxy import nflink
+    assert nftables.programmed(4, netns=netns) == {}      # nothing there yet
+    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+                 service_cidrs=("10.96.0.0/12",))
+    try:
+        # every feature: affinity (per-endpoint chains), eTP/iTP Local, LB, no endpoints, terminating, IPv6
+        for st, c, fam in ((kube_proxy_state(), KUBE_PROXY_CFG, 4), (demo_state(), DEMO_CFG, 4),
+                           (demo_state(), DEMO_CFG, 6), (_v6_state(), replace(DEMO_CFG, node_ips=("fd00:1::2",)), 6)):
+            assert nft(netns, nftables.render(st, c, fam).text).returncode == 0
+            got = nftables.programmed(fam, netns=netns)
+            assert got == _expected_programmed(st, c, fam)
+        # and after incremental changes sent over netlink, as the proxier leaves the table
+        states = [state_from_records(r) for r in _mutations()]
+        rs = nftables.render(states[0], cfg, 4)
+        assert nft(netns, rs.text).returncode == 0
+        for old, new in zip(states, states[1:]):
+            rs = nftables.render(new, cfg, 4, previous=rs.state, changed=_changed(old, new))
+            if nflink.supported(rs.text):
+                nflink.apply(rs.text, 4, netns=netns)
+            else:
+                assert nft(netns, rs.text).returncode == 0
+            assert nftables.programmed(4, netns=netns) == _expected_programmed(new, cfg, 4)
+    finally:
+        nflink.close_all()
+
+
+@needs_netns
+def test_backend_programmed(netns):
+    import asyncio
+
+    from clusterdns.proxy.apply import RecordingRunner, SubprocessRunner
+    from clusterdns.proxy.proxier import NftablesBackend
+    assert nft(netns, nftables.render(kube_proxy_state(), KUBE_PROXY_CFG, 4).text).returncode == 0
+    backend = NftablesBackend(SubprocessRunner(("ip", "netns", "exec", netns)), KUBE_PROXY_CFG, 4)
+    found = asyncio.run(backend.programmed())
+    assert found == _expected_programmed(kube_proxy_state(), KUBE_PROXY_CFG, 4)
+    assert found[("172.30.0.45", "TCP", 80)] == {"10.180.0.3:80"}     # the affinity Service
+    assert found[("172.30.0.46", "TCP", 80)] == frozenset()           # no endpoints
+    # a runner that is not the kernel's is never read behind its back
+    assert asyncio.run(NftablesBackend(RecordingRunner(), KUBE_PROXY_CFG, 4).programmed()) == {}
