@@ -3,8 +3,8 @@
     python3 bench/proxy/nft_incremental.py [--services 10000] [--endpoints 10] [--runs 20]
 
 Needs root. Loads synthetic_records(services, endpoints) with `nft -f` into a
-scratch network namespace (created and deleted here; ~2 minutes at 10,000
-Services because of the anonymous vmaps, seconds at 1,000), then times
+scratch network namespace (created and deleted here; a few seconds at
+10,000 Services), then times
 `runs` one-endpoint changes (each on another Service: one endpoint gets a
 new address) both ways, end to end: render(previous=..., changed={key}) plus
 the apply. nft's time includes its process start and `ip netns exec`. Prints
@@ -96,12 +96,13 @@ def main() -> int:
         print(f"full render {t1 - t0:.2f} s, full nft -f {t2 - t1:.1f} s")
         previous = full.state
         previous, nl_total, nl_apply, nl_lines, key = timed(ns, store, previous, args.runs, 0, True)
-        # the netlink changes are in the kernel: the last changed Service's new endpoint chain DNATs
-        chain = next(c for c in previous.owned[key].chains if c.startswith("endpoint-") and "10.250." in c)
-        listed = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "chain", "ip", "kube-proxy", chain],
+        # the netlink changes are in the kernel: the last changed Service's endpoint map holds the new address
+        (bucket, _), = previous.owned[key].slots
+        name = nftables.endpoints_map(bucket)
+        listed = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "map", "ip", "kube-proxy", name],
                                 capture_output=True, text=True).stdout
-        if "dnat to 10.250." not in listed:
-            raise SystemExit(f"netlink change missing from the kernel: {chain}")
+        if ": 10.250." not in listed:
+            raise SystemExit(f"netlink change missing from the kernel: {name}")
         previous, nf_total, nf_apply, nf_lines, _ = timed(ns, store, previous, args.runs, 1000, False)
         print(f"one-endpoint change ({statistics.median(nl_lines):.0f}-line transaction), {args.runs} runs each:")
         print(f"  netlink batch  render+apply {ms(nl_total)};  apply {ms(nl_apply)}")
