@@ -12,7 +12,9 @@ here (setrlimit is refused), so the test:
    names and the CA bundle (read-only), without which PyPI is unreachable here;
 4. runs the image's own entrypoint and command (`clusterdns agent`, the demo
    cluster) from its root filesystem (`podman image mount`) with chroot in a
-   network namespace, and resolves a name with dig over UDP and TCP.
+   network namespace, and resolves a name with dig over UDP and TCP;
+5. checks that the image's own iptables-nft-restore and nft accept the rules
+   its clusterdns renders (--test / -c, in a fresh namespace).
 
 Skipped with the reason where root, podman, debootstrap or dig are missing;
 CI installs them (scripts/setup). Phase times are printed (-s): a fresh
@@ -52,7 +54,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
 def _why_not() -> str:
-    return missing("podman", "debootstrap", "dig", "chroot", "tar")
+    return missing("podman", "debootstrap", "dig", "chroot", "tar", "bash")
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +174,10 @@ def test_image_builds_from_a_local_debian_base_and_answers_dns(skip_reason, tmp_
                          "usr/sbin/conntrack", "bin/ip"):
                 assert (root / tool).exists() or (root / "usr" / tool).exists(), tool
             run_agent_from(root, info["Entrypoint"] + info["Cmd"], tmp_path)
+            rules_load_with_the_image_tools(root)
         finally:
             subprocess.run(["podman", "image", "umount", tag], capture_output=True, timeout=120, check=False)
-        phase("agent from the image's root, dig", t)
+        phase("agent from the image's root, dig, rules check", t)
     finally:
         subprocess.run(["podman", "rmi", "-f", tag], capture_output=True, timeout=300, check=False)
 
@@ -218,3 +221,16 @@ def run_agent_from(root: Path, argv: list[str], tmp_path: Path) -> None:
                     proc.wait()
         assert proc.returncode == 0, log.read_text()[-3000:]
         assert "loaded /opt/clusterdns/lib/python3.11/site-packages/clusterdns/demo/cluster.yaml" in log.read_text()
+
+
+def rules_load_with_the_image_tools(root: Path) -> None:
+    """The image's own iptables-nft-restore and nft accept what its clusterdns writes
+    (checked, not applied, in a fresh namespace): the tools and the renderer agree."""
+    with Namespaces("imgrules") as nss:
+        node = nss.add("node")
+        for mode, check in (("iptables", "iptables-nft-restore --test"), ("nftables", "nft -c -f -")):
+            script = (f'chroot "{root}" /opt/clusterdns/bin/clusterdns rules --mode {mode} '
+                      f'| chroot "{root}" {check}')
+            res = subprocess.run(["ip", "netns", "exec", node, "bash", "-c", f"set -o pipefail; {script}"],
+                                 capture_output=True, text=True, timeout=120, check=False)
+            assert res.returncode == 0, f"{mode}: {res.stderr[-2000:]}"
