@@ -169,7 +169,8 @@ async def test_every_query_is_counted_timed_and_attributed_to_the_part_that_answ
         assert dns_value("coredns_cache_entries", server, type="success", zones=".", view="") >= 1
         enabled = {s.labels["name"] for f in metrics.DNS.collect() for s in f.samples
                    if s.name == "coredns_plugin_enabled" and s.labels.get("server") == server}
-        assert {"kubernetes", "forward", "cache", "prometheus", "loop"} <= enabled
+        assert {"kubernetes", "forward", "cache", "loop"} <= enabled
+        assert "prometheus" not in enabled            # --metrics-listen none
 
 
 def test_forward_aliases_of_the_proxy_series():

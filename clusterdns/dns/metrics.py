@@ -193,7 +193,11 @@ def _plugin(f2: int, f3: int, part: int) -> str:
 
 def plugins_for(cfg, forwarder) -> tuple[str, ...]:
     """The CoreDNS plugins whose job this configuration does (coredns_plugin_enabled)."""
-    names = ["errors", "health", "ready", "kubernetes", "prometheus", "loadbalance"]
+    names = ["errors", "kubernetes", "loadbalance"]
+    if getattr(cfg, "health_listen", "none") != "none":
+        names += ["health", "ready"]
+    if getattr(cfg, "metrics_listen", "none") != "none":
+        names.append("prometheus")
     if forwarder is not None:
         names += ["forward", "loop"]
         if getattr(forwarder, "cache", None) is not None:
