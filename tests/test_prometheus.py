@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -234,6 +235,10 @@ def dns_traffic(agent: Agent) -> None:
     assert agent.ask("host1.example.", tcp=True).answer
     assert agent.ask("fail.example.").rcode() == dns.rcode.SERVFAIL        # the upstream's SERVFAIL
     assert agent.ask("nothing.invalid.").rcode() == dns.rcode.NXDOMAIN
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:            # a question cut short: FORMERR
+        s.settimeout(5)
+        s.sendto(b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x03www", ("127.0.0.1", agent.dns))
+        assert s.recv(512)[3] & 15 == dns.rcode.FORMERR
 
 
 def api_changes(api: FakeAPIServer) -> None:
@@ -348,6 +353,22 @@ def test_stock_dashboards_and_alerts_find_their_series(tmp_path):
                 break
             time.sleep(1)
         assert not failures, "\n".join(failures)
+
+        # What the traffic and the change did, as a dashboard reader would see it.
+        def value(expr: str) -> dict[str, float]:
+            res = prom.query(expr)["data"]["result"]
+            return {r["metric"].get("node", ""): float(r["value"][1]) for r in res}
+        timed = value('sum by (node) (coredns_dns_request_duration_seconds_count{job="kube-dns"})')
+        assert timed == value('sum by (node) (coredns_dns_requests_total{job="kube-dns"})')   # every query timed
+        assert set(timed) == {"node-demo", "node-kube"} and min(timed.values()) >= 40
+        for part in ("kubernetes", "cache", "forward", ""):
+            assert min(value(f'sum by (node) (coredns_dns_responses_total{{plugin="{part}"}})').values()) > 0, part
+        assert value('sum by (node) (kubeproxy_network_programming_duration_seconds_count)')["node-kube"] >= 1
+        assert value('sum by (node) (coredns_kubernetes_dns_programming_duration_seconds_count'
+                     '{service_kind="cluster_ip"})')["node-kube"] >= 1
+        for code in ("200", "429", "503", "410"):
+            assert value(f'sum by (node) (rest_client_requests_total{{code="{code}"}})')["node-kube"] >= 1, code
+        assert value('sum by (node) (clusterdns_invalid_objects_total{kind="Service"})')["node-kube"] == 1
 
         # The per-node rules deploy/ ships load and evaluate without errors.
         groups = prom.api("rules")["data"]["groups"]
