@@ -4,7 +4,7 @@
   /healthz and /livez). No /metrics.
 - --metrics-listen (DNS role): /metrics with the coredns_* registry (CoreDNS's :9153).
 - --proxy-metrics-listen (proxy role): /metrics with the kubeproxy_* registry
-  (kube-proxy's :10249). The shared series (rest_client_*, clusterdns_*) go
+  (kube-proxy's :10249), and /proxyMode (the mode, as kube-proxy answers it). The shared series (rest_client_*, clusterdns_*) go
   with it, or with the DNS registry when the process has no proxy listener.
   As kube-proxy does with its metrics server, a port that cannot be bound is
   logged and retried every 5 s instead of stopping the process.
@@ -47,6 +47,7 @@ class Listener:
     registries: list[CollectorRegistry] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)   # "health", "metrics", "proxy-metrics"
     optional: bool = False    # a bind failure is retried, not raised
+    proxy_mode: str = ""      # served at /proxyMode, as kube-proxy's metrics server does
 
     @property
     def shown(self) -> str:
@@ -77,6 +78,7 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
     if proxy is not None:
         proxy.registries += [metrics.PROXY, metrics.SHARED]
         proxy.kinds.append("proxy-metrics")
+        proxy.proxy_mode = cfg.proxy_mode
         # Only a listener of its own may fail to bind without stopping the process.
         proxy.optional = proxy.kinds == ["proxy-metrics"]
     elif dns is not None:
@@ -151,6 +153,12 @@ class HealthServer:
                 app.router.add_get(path, handler)
         if listener.registries:
             app.router.add_get("/metrics", self._metrics_handler(listener.registries))
+        if listener.proxy_mode:
+            mode = listener.proxy_mode
+
+            async def proxy_mode(_request: web.Request) -> web.Response:
+                return web.Response(text=mode)
+            app.router.add_get("/proxyMode", proxy_mode)
         return app
 
     async def _bind(self, listener: Listener) -> None:

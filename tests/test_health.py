@@ -115,6 +115,7 @@ async def test_each_series_on_one_listener_and_no_metrics_on_health():
             in proxy_text
         assert "clusterdns_state_version" in proxy_f and "clusterdns_state_version" not in dns_f
         assert set(srv.bound_kinds) == {"health", "metrics", "proxy-metrics"}
+        assert await get(ports["proxy"], "/proxyMode") == (200, "iptables")   # kube-proxy's answer
     finally:
         await srv.stop()
 
