@@ -55,6 +55,8 @@ class Config:
     cache_max_ttl: int = 30
     cache_min_ttl: int = 5
     udp_size: int = 1232
+    workers: int = 1                       # UDP receive threads per listen address (SO_REUSEPORT)
+    tcp_max_connections: int = 1024        # open DNS TCP connections; beyond, the oldest idle is closed
     # proxier
     node_name: str = ""
     node_ips: tuple[str, ...] = ()
@@ -177,6 +179,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a("--transfer", action="store_true", default=S, help="allow AXFR/IXFR over TCP")
     a("--autopath", action="store_true", default=S)
     a("--cache-size", type=int, default=S)
+    a("--workers", type=int, default=S, metavar="N",
+      help="UDP receive threads per listen address, each on its own SO_REUSEPORT socket (default 1)")
+    a("--tcp-max-connections", type=int, default=S, metavar="N",
+      help="open DNS TCP connections; a new one closes the oldest idle one (default 1024)")
     a("--node-name", default=S)
     a("--node-ip", dest="node_ips", action="append", metavar="IP", default=S)
     a("--cluster-cidr", dest="cluster_cidrs", action="append", metavar="CIDR", default=S)
@@ -309,6 +315,10 @@ def _validate(cfg: Config) -> Config:
         err("--namespaces and --namespace-labels cannot be combined")
     if cfg.lameduck < 0:
         err("--lameduck must not be negative")
+    if not 1 <= cfg.workers <= 64:
+        err(f"--workers {cfg.workers}: must be between 1 and 64")
+    if cfg.tcp_max_connections < 1:
+        err(f"--tcp-max-connections {cfg.tcp_max_connections}: must be at least 1")
     for name in ("metrics_listen", "proxy_metrics_listen", "health_listen"):
         v = getattr(cfg, name)
         if v and v != "none":

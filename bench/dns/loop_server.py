@@ -60,19 +60,18 @@ if __name__ == "__main__":
         # The same UDP path without any counting, to see what counting costs.
         from clusterdns.dns import server as server_mod
 
-        def datagram_received(self, data, addr):
-            reply = self.fast(data, False)
-            if reply is not None:
-                self.transport.sendto(reply, addr)
-                return
-            task = asyncio.ensure_future(self.resolve(data, addr, 0.0))
-            self.service.tasks.add(task)
-            task.add_done_callback(self.service.tasks.discard)
-        server_mod._Udp.datagram_received = datagram_received
+        def _run(self):
+            recvfrom, sendto, fast = self.sock.recvfrom, self.sock.sendto, self.service.engine.fast
+            while not self.stopping:
+                data, addr = recvfrom(65535)
+                if data:
+                    reply = fast(data, False)
+                    if reply is not None:
+                        sendto(reply, addr)
+                    else:
+                        self.loop.call_soon_threadsafe(self.service._udp_slow, self, data, addr, 0.0)
+        server_mod._UdpReceiver._run = _run
         metrics.ServerStats.record = lambda self, data, reply, tcp, started, weight=1: None
     engine = SlowPathEngine() if args.slow else EchoEngine()
-    try:
-        import uvloop
-        uvloop.run(main(args.port, engine))
-    except ImportError:
-        asyncio.run(main(args.port, engine))
+    import uvloop
+    uvloop.run(main(args.port, engine))

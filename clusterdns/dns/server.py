@@ -1,10 +1,14 @@
 """The DNS server: UDP and TCP sockets around the engine.
 
-Per query the UDP path is: engine.fast(bytes) in datagram_received (a
-precomputed answer, no task, no parse); only when that returns None does a
-task run engine.resolve(). TCP reads length-prefixed queries, answers
-pipelined queries as they complete (several in flight per connection, RFC
-7766), closes idle connections and bounds how many are open.
+UDP: each socket is answered by a receive thread of its own (blocking
+recvfrom, engine.fast(bytes), sendto; no event-loop step, task or parse per
+query); only when fast() returns None is the query handed to the event loop,
+where a task runs engine.resolve() and sends the reply. The thread counts its
+answers in a table of its own, handed to the loop thread at scrape. With
+--workers N every listen address gets N SO_REUSEPORT sockets and threads.
+TCP (on the event loop) reads length-prefixed queries, answers pipelined
+queries as they complete (several in flight per connection, RFC 7766), closes
+idle connections and bounds how many are open.
 
 A bug while answering one query never stops the server: the exception is
 logged, counted in coredns_panics_total, and the client gets SERVFAIL (or
@@ -13,6 +17,7 @@ nothing when the packet has no readable header).
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import json
 import logging
@@ -20,8 +25,9 @@ import os
 import socket
 import struct
 import subprocess
+import threading
 from time import monotonic, perf_counter
-from typing import Any, Callable
+from typing import Callable
 
 from ..config import Config
 from ..state import ClusterState, Delta, StateStore
@@ -33,7 +39,7 @@ log = logging.getLogger(__name__)
 RCVBUF = 4 << 20          # the kernel default (208 KiB here) drops queries far below capacity
 SNDBUF = 1 << 20
 TCP_IDLE_TIMEOUT = 10.0    # CoreDNS's idle timeout for TCP
-TCP_MAX_CONNECTIONS = 1024
+NOTE_INTERVAL = 10.0       # seconds between log lines about what clients do (closed, evicted...)
 TCP_MAX_INFLIGHT = 64      # unanswered queries per TCP connection
 MAX_INFLIGHT = 2000        # resolve() tasks for UDP; beyond, queries are dropped (the client retries)
 SERVFAIL = 2
@@ -69,13 +75,21 @@ def _show(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bind(host: str, port: int, reuse_port: bool = False) -> tuple[socket.socket, socket.socket]:
+def _bind(host: str, port: int, reuse_port: bool = False,
+          udp_reuse_port: bool = False) -> tuple[socket.socket, socket.socket]:
     """A UDP and a TCP socket on the same address; port 0 picks one free for both.
 
     reuse_port: SO_REUSEPORT on both (the agent: a restarted process shares the
-    port with the previous one during its lameduck)."""
+    port with the previous one during its lameduck). udp_reuse_port: on the UDP
+    socket, for more beside it (_bind_udp, --workers)."""
     fam = _family(host)
     for _attempt in range(20):
+        if port == 0 and udp_reuse_port:
+            # never autobind with SO_REUSEPORT (the kernel could pick a port another
+            # SO_REUSEPORT socket holds): find a free port first, then bind it
+            want = _free_port(host)
+        else:
+            want = port
         udp = socket.socket(fam, socket.SOCK_DGRAM)
         tcp = socket.socket(fam, socket.SOCK_STREAM)
         try:
@@ -84,10 +98,12 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> tuple[socket.socket
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             _set_buffers(udp)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port and port:   # never for port 0: autobind could pick a shared port
+            if reuse_port and port:
                 for s in (udp, tcp):
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            udp.bind((host, port))
+            if udp_reuse_port:
+                udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            udp.bind((host, want))
             real = udp.getsockname()[1]
             tcp.bind((host, real))
             tcp.listen(1024)
@@ -101,6 +117,28 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> tuple[socket.socket
                 continue   # the UDP port was free but not the TCP one: pick another
             raise OSError(exc.errno, f"cannot listen on {_show(host, port)}: {exc.strerror or exc}") from None
     raise OSError(errno.EADDRINUSE, f"cannot listen on {_show(host, port)}: no free port")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _bind_udp(host: str, port: int) -> socket.socket:
+    """One more UDP socket on the address of a _bind(..., reuseport=True) one (the kernel
+    spreads datagrams over them by a hash of the client's address and port)."""
+    udp = socket.socket(_family(host), socket.SOCK_DGRAM)
+    try:
+        if _family(host) == socket.AF_INET6:
+            udp.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        _set_buffers(udp)
+        udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        udp.bind((host, port))
+        return udp
+    except OSError as exc:
+        udp.close()
+        raise OSError(exc.errno, f"cannot listen on {_show(host, port)}: {exc.strerror or exc}") from None
 
 
 def _set_buffers(sock: socket.socket) -> None:
@@ -126,52 +164,169 @@ def interface_addresses() -> list[str]:
         return []
 
 
-class _Udp(asyncio.DatagramProtocol):
-    def __init__(self, service: "DnsService", stats: metrics.ServerStats) -> None:
-        self.service = service
-        self.stats = stats
-        self.fast = service.engine.fast
-        self.count = stats.fast_udp
-        self.record = stats.record
-        self.transport: Any = None
+class _Stats(metrics.ServerStats):
+    """A listener's counters: the loop thread's (TCP, UDP through resolve()) plus what its
+    receive threads counted on their own and hand over when asked (at scrape) or when full."""
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    __slots__ = ("receivers",)
 
-    def datagram_received(self, data: bytes, addr) -> None:
-        # The hot path: no task, no parse; every query is counted and timed by one call.
-        started = perf_counter()
+    def __init__(self, server: str, family: int, plugins=()) -> None:
+        super().__init__(server, family, plugins)
+        self.receivers: list[_UdpReceiver] = []
+
+    def fold(self) -> None:
+        """Exact totals: every live receive thread first hands over what it counted."""
+        live = [r for r in self.receivers if r.thread.is_alive()]
+        if live and threading.current_thread() not in [r.thread for r in live]:
+            for r in live:
+                r.flushed.clear()
+                r.flush_req = True
+            # A zero-length datagram wakes a thread blocked in recvfrom. With several
+            # SO_REUSEPORT sockets the kernel picks one by the sender's port, so send
+            # from fresh ports until each has answered.
+            deadline = monotonic() + _UdpReceiver.FLUSH_WAIT
+            for r in live:
+                while not r.flushed.is_set():
+                    r.wake()
+                    if r.flushed.wait(0.01) or monotonic() > deadline:
+                        break
+            late = [r for r in live if not r.flushed.is_set()]
+            if late:
+                log.warning("%d UDP receive thread(s) of %s did not hand over their counts in %gs",
+                            len(late), self.server, _UdpReceiver.FLUSH_WAIT)
+        for r in self.receivers:
+            r.drain_into(self)
+        super().fold()
+
+
+class _UdpReceiver:
+    """One UDP socket answered by a thread of its own: blocking recvfrom, engine.fast(),
+    sendto, with no event-loop step per query. Misses go to the event loop (resolve() in a
+    task) and are sent from there. The engine is read through one reference per query
+    (Engine.fast reads its current view once), so a state swap needs no coordination.
+
+    Counting stays in the thread (a plain dict, no lock): a scrape asks the thread to hand
+    its table over (a zero-length datagram wakes it) and merges it on the loop thread, so
+    the exported series are exact at scrape time.
+    """
+
+    FLUSH_WAIT = 1.0    # seconds a scrape waits for the thread to hand its counts over
+
+    def __init__(self, service: "DnsService", stats: _Stats, sock: socket.socket,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.service, self.stats, self.sock, self.loop = service, stats, sock, loop
+        host, port = sock.getsockname()[:2]
+        wake_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self.wake_addr = (wake_host, port)
+        # the thread's own counters (never registered, never folded: handed over before full)
+        self.local = metrics.ServerStats(stats.server, stats.family)
+        self.outbox: collections.deque = collections.deque()   # tables handed to the loop thread
+        self.flush_req = False
+        self.flushed = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name=f"dns-udp-{_show(host, port)}", daemon=True)
+
+    def start(self) -> None:
+        self.sock.setblocking(True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
         try:
-            reply = self.fast(data, False)
-        except Exception:
-            reply = self.service.panic(data)
-            if reply is not None:
-                self.transport.sendto(reply, addr)
-            self.record(data, reply, False, started, metrics.SERVER)
-            return
-        if reply is not None:
-            self.transport.sendto(reply, addr)
-            self.count(data, reply, started)
-            return
-        service = self.service
-        if len(service.tasks) >= MAX_INFLIGHT:
-            self.record(data, None, False, started)
-            return
-        task = asyncio.ensure_future(self.resolve(data, addr, started))
-        service.tasks.add(task)
-        task.add_done_callback(service.tasks.discard)
+            self.sock.shutdown(socket.SHUT_RD)   # wakes recvfrom (ENOTCONN on UDP, but it wakes)
+        except OSError:
+            pass
+        self.wake()
+        self.thread.join(2.0)
+        if not self.thread.is_alive():
+            self._handoff()          # what it counted since the last scrape
 
-    async def resolve(self, data: bytes, addr, started: float) -> None:
-        metrics.begin_resolve()
-        reply = await self.service.resolve(data, addr[0], False)
-        if isinstance(reply, list):      # a transfer is TCP only; the engine refuses it on UDP
-            reply = reply[0] if reply else None
-        if reply is not None and self.transport is not None and not self.transport.is_closing():
-            self.transport.sendto(reply, addr)
-        self.record(data, reply, False, started)
+    def wake(self) -> None:
+        try:
+            with socket.socket(_family(self.wake_addr[0]), socket.SOCK_DGRAM) as s:
+                s.sendto(b"", self.wake_addr)
+        except OSError:
+            pass
 
-    def error_received(self, exc) -> None:   # ICMP errors for replies: nothing to do
-        pass
+    # -- receive thread ----------------------------------------------------------------
+
+    def _handoff(self) -> None:
+        """Give the loop thread what was counted so far; start a new table (thread side)."""
+        self.outbox.append(self.local.udp)
+        self.local.udp = {}
+
+    def _run(self) -> None:
+        sock, fast, service, local = self.sock, self.service.engine.fast, self.service, self.local
+        recvfrom, sendto, count = sock.recvfrom, sock.sendto, local.fast_udp
+        slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
+        # handed over before ServerStats would fold on its own (one new key per query at most)
+        check, near_full = 255, metrics.RAW_LIMIT - 256
+        n = 0
+        while True:
+            try:
+                data, addr = recvfrom(65535)
+            except OSError:
+                if self.stopping:
+                    return
+                continue          # a transient error (ENOMEM...): keep receiving
+            started = perf_counter()
+            if not data:          # a wake-up, shutdown, or an empty datagram (nothing to answer)
+                if self.stopping:
+                    return
+                if self.flush_req:
+                    self.flush_req = False
+                    self._handoff()
+                    self.flushed.set()
+                continue
+            try:
+                reply = fast(data, False)
+            except Exception:
+                reply = service.panic(data)
+                if reply is not None:
+                    try:
+                        sendto(reply, addr)
+                    except OSError:
+                        pass
+                local.record(data, reply, False, started, metrics.SERVER)
+                continue
+            if reply is None:
+                call(slow, self, data, addr, started)
+                continue
+            try:
+                sendto(reply, addr)
+            except OSError:
+                pass
+            count(data, reply, started)
+            n += 1
+            if not n & check and len(local.udp) >= near_full:   # odd traffic: let the loop fold it
+                self._handoff()
+                call(self.drain_into, self.stats)
+
+    # -- loop thread -------------------------------------------------------------------
+
+    def drain_into(self, stats: metrics.ServerStats) -> None:
+        """Take the tables the thread handed over into `stats` (loop thread): the same
+        raw keys ServerStats counts, their [count, seconds] added."""
+        while self.outbox:
+            table = self.outbox.popleft()
+            mine = stats.udp
+            for key, v in table.items():
+                have = mine.get(key)
+                if have is None:
+                    mine[key] = v
+                else:
+                    have[0] += v[0]
+                    have[1] += v[1]
+            if len(mine) >= metrics.RAW_LIMIT:
+                metrics.ServerStats.fold(stats)
+
+
+class _TcpConn:
+    """An open DNS TCP connection: when it was last active and how many answers it awaits."""
+    __slots__ = ("writer", "last", "inflight")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer, self.last, self.inflight = writer, monotonic(), 0
 
 
 class DnsService:
@@ -190,15 +345,16 @@ class DnsService:
         self.store = store
         self.forwarder = forwarder if forwarder is not None else Forward.from_config(cfg)
         if engine is None:
-            from .engine import Engine  # the answer engine (zone view, wire building)
+            from .engine import Engine   # the answer engine (zone view, wire building)
             engine = Engine(cfg, self.forwarder, server_addresses=self.server_addresses)
         self.engine = engine
         self.bound: list[tuple[str, int]] = []
         self.tasks: set[asyncio.Future] = set()
-        self._transports: list[Any] = []
+        self._receivers: list[_UdpReceiver] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._stats: list[metrics.ServerStats] = []
-        self._tcp_connections = 0
+        self._tcp_conns: dict[asyncio.StreamWriter, _TcpConn] = {}
+        self._notes: dict[str, tuple[int, float]] = {}
         self._iface_addresses: list[str] | None = None
         self._panics = 0
         self._panic_logged = -PANIC_LOG_INTERVAL
@@ -240,6 +396,27 @@ class DnsService:
             self._panic_logged, self._panics = now, 0
         return error_reply(data, SERVFAIL)
 
+    def _udp_slow(self, receiver: _UdpReceiver, data: bytes, addr, started: float) -> None:
+        """A UDP query fast() did not answer, on the loop thread: resolve() in a task."""
+        if len(self.tasks) >= MAX_INFLIGHT or receiver.stopping:
+            receiver.stats.record(data, None, False, started)
+            return
+        task = asyncio.ensure_future(self._udp_resolve(receiver, data, addr, started))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _udp_resolve(self, receiver: _UdpReceiver, data: bytes, addr, started: float) -> None:
+        metrics.begin_resolve()
+        reply = await self.resolve(data, addr[0], False)
+        if isinstance(reply, list):      # a transfer is TCP only; the engine refuses it on UDP
+            reply = reply[0] if reply else None
+        if reply is not None and not receiver.stopping:
+            try:
+                receiver.sock.sendto(reply, addr)
+            except OSError:
+                reply = None
+        receiver.stats.record(data, reply, False, started)
+
     async def resolve(self, data: bytes, client_ip: str, tcp: bool) -> bytes | list[bytes] | None:
         try:
             return await self.engine.resolve(data, client_ip, tcp)
@@ -252,24 +429,53 @@ class DnsService:
 
     def _tcp_handler(self, stats: metrics.ServerStats) -> Callable:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            if self._tcp_connections >= TCP_MAX_CONNECTIONS:
-                writer.close()
+            conns = self._tcp_conns
+            if len(conns) >= self.cfg.tcp_max_connections and not self._evict_idle():
+                self._note("tcp-full", "TCP connection limit (%d) reached with none idle: "
+                           "refused %d new connection(s)", self.cfg.tcp_max_connections)
+                writer.transport.abort()
                 return
-            self._tcp_connections += 1
+            conn = _TcpConn(writer)
+            conns[writer] = conn
             try:
-                await self._tcp_session(reader, writer, stats)
+                await self._tcp_session(reader, writer, stats, conn)
             except (ConnectionError, OSError):
                 pass
             except Exception:
                 metrics.panic()
                 log.exception("TCP connection handler failed")
             finally:
-                self._tcp_connections -= 1
+                conns.pop(writer, None)
                 writer.close()
         return handle
 
+    def _evict_idle(self) -> bool:
+        """Close the connection idle the longest (no query in flight); False if none is idle."""
+        oldest = None
+        for conn in self._tcp_conns.values():
+            if not conn.inflight and (oldest is None or conn.last < oldest.last):
+                oldest = conn
+        if oldest is None:
+            return False
+        self._tcp_conns.pop(oldest.writer, None)
+        oldest.writer.transport.abort()
+        self._note("tcp-evict", "TCP connection limit (%d) reached: closed %d idle connection(s), "
+                   "the oldest first", self.cfg.tcp_max_connections)
+        return True
+
+    def _note(self, kind: str, msg: str, *args) -> None:
+        """Log what clients make happen at most once per NOTE_INTERVAL per kind, with a count."""
+        n = self._notes.get(kind, (0, -NOTE_INTERVAL))
+        count, at = n[0] + 1, n[1]
+        now = monotonic()
+        if now - at >= NOTE_INTERVAL:
+            log.info(msg, *args, count)
+            self._notes[kind] = (0, now)
+        else:
+            self._notes[kind] = (count, at)
+
     async def _tcp_session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           stats: metrics.ServerStats) -> None:
+                           stats: metrics.ServerStats, conn: "_TcpConn") -> None:
         peer = writer.get_extra_info("peername") or ("", 0)
         client_ip = peer[0]
         fast = self.engine.fast
@@ -278,8 +484,16 @@ class DnsService:
 
         async def send(replies: list[bytes]) -> None:
             async with lock:
-                for reply in replies:
-                    writer.write(struct.pack("!H", len(reply)) + reply)
+                try:
+                    for reply in replies:
+                        writer.write(struct.pack("!H", len(reply)) + reply)
+                except RuntimeError:
+                    # uvloop raises this (not ConnectionError) writing to a transport the
+                    # client reset: the client went away with answers in flight.
+                    if writer.is_closing() or writer.transport.is_closing():
+                        self._note("tcp-gone", "%d TCP client(s) went away with answers in flight")
+                        raise ConnectionError("client went away") from None
+                    raise
                 try:
                     # A client that stops reading must not hold the connection forever.
                     await asyncio.wait_for(writer.drain(), TCP_IDLE_TIMEOUT)
@@ -288,15 +502,20 @@ class DnsService:
                     raise ConnectionError("client stopped reading") from None
 
         async def slow(data: bytes, started: float) -> None:
-            metrics.begin_resolve()
-            reply = await self.resolve(data, client_ip, True)
-            replies = reply if isinstance(reply, list) else ([] if reply is None else [reply])
-            if replies and not writer.is_closing():
-                try:
-                    await send(replies)
-                except (ConnectionError, OSError):
-                    pass
-            stats.record(data, replies[0] if replies else None, True, started)
+            conn.inflight += 1
+            try:
+                metrics.begin_resolve()
+                reply = await self.resolve(data, client_ip, True)
+                replies = reply if isinstance(reply, list) else ([] if reply is None else [reply])
+                if replies and not writer.is_closing():
+                    try:
+                        await send(replies)
+                    except (ConnectionError, OSError):
+                        pass
+                stats.record(data, replies[0] if replies else None, True, started)
+            finally:
+                conn.inflight -= 1
+                conn.last = monotonic()
 
         while True:
             try:
@@ -304,6 +523,7 @@ class DnsService:
                 data = await asyncio.wait_for(reader.readexactly(size), TCP_IDLE_TIMEOUT)
             except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
                 break
+            conn.last = monotonic()
             started = perf_counter()
             part = metrics.FAST
             try:
@@ -311,7 +531,11 @@ class DnsService:
             except Exception:
                 reply, part = self.panic(data), metrics.SERVER
             if reply is not None:
-                await send([reply])
+                conn.inflight += 1
+                try:
+                    await send([reply])
+                finally:
+                    conn.inflight -= 1
                 stats.record(data, reply, True, started, part)
                 continue
             if len(pending) >= TCP_MAX_INFLIGHT:
@@ -329,14 +553,25 @@ class DnsService:
         loop = asyncio.get_running_loop()
         try:
             for host, port in self.cfg.listen_addresses():
-                udp, tcp = _bind(host, port, self.reuse_port)
+                workers = max(1, getattr(self.cfg, "workers", 1))
+                udp, tcp = _bind(host, port, self.reuse_port, udp_reuse_port=workers > 1)
                 real = udp.getsockname()[1]
-                stats = metrics.ServerStats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1,
-                                            metrics.plugins_for(self.cfg, self.forwarder))
+                socks = [udp]
+                try:
+                    socks += [_bind_udp(host, real) for _ in range(workers - 1)]
+                except OSError:
+                    for x in socks + [tcp]:
+                        x.close()
+                    raise
+                stats = _Stats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1,
+                               metrics.plugins_for(self.cfg, self.forwarder))
                 metrics.register_server(stats)
                 self._stats.append(stats)
-                transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self, stats), sock=udp)
-                self._transports.append(transport)
+                for sock in socks:
+                    receiver = _UdpReceiver(self, stats, sock, loop)
+                    stats.receivers.append(receiver)
+                    self._receivers.append(receiver)
+                    receiver.start()
                 server = await asyncio.start_server(self._tcp_handler(stats), sock=tcp, limit=70000)
                 self._servers.append(server)
                 self.bound.append((host, real))
@@ -355,8 +590,13 @@ class DnsService:
             log.exception("loop detection failed")
 
     async def stop(self) -> None:
-        for t in self._transports:
-            t.close()
+        for r in self._receivers:
+            r.stopping = True
+        for r in self._receivers:
+            await asyncio.get_running_loop().run_in_executor(None, r.stop)
+            r.stats.fold()           # keep what it counted
+            r.stats.receivers.remove(r)
+            r.sock.close()
         for s in self._servers:
             s.close()
         for t in list(self.tasks):
@@ -368,7 +608,7 @@ class DnsService:
                 await asyncio.wait_for(s.wait_closed(), 1.0)
             except asyncio.TimeoutError:
                 pass
-        self._transports.clear()
+        self._receivers.clear()
         self._servers.clear()
         if self.forwarder is not None and hasattr(self.forwarder, "close"):
             await self.forwarder.close()
