@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,11 +32,11 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from run import (build_state, cpu_seconds, free_port, query_files, rss_mib, unbound_conf,  # noqa: E402
-                 wait_answering)
-from clusterdns.synthetic import to_manifest  # noqa: E402
-
 import re  # noqa: E402
+
+from run import build_state, cpu_seconds, free_port, query_files, rss_mib, unbound_conf, wait_answering  # noqa: E402
+
+from clusterdns.synthetic import to_manifest  # noqa: E402
 
 
 def make_venv(path: Path) -> Path:

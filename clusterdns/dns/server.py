@@ -345,7 +345,7 @@ class DnsService:
         self.store = store
         self.forwarder = forwarder if forwarder is not None else Forward.from_config(cfg)
         if engine is None:
-            from .engine import Engine   # the answer engine (zone view, wire building)
+            from .engine import Engine  # the answer engine (zone view, wire building)
             engine = Engine(cfg, self.forwarder, server_addresses=self.server_addresses)
         self.engine = engine
         self.bound: list[tuple[str, int]] = []
