@@ -73,23 +73,25 @@ def _name(value: str, pattern: re.Pattern, what: str, where: str) -> str:
     return value
 
 
-_SEEN: dict[re.Pattern, dict[str, bool]] = {}
+_SEEN: dict[re.Pattern, dict[str, str | None]] = {}
 
 
 def _check_label(value: str, pattern: re.Pattern, what: str, where: str) -> str:
-    """_name for values that repeat across many objects (node names, zones): memoised."""
+    """_name for values that repeat across many objects (namespaces, node names, zones):
+    memoised, and the one string object returned for every copy (~100,000 fewer strings
+    held at 10,000 Services x 10)."""
     seen = _SEEN.get(pattern)
     if seen is None:
         seen = _SEEN[pattern] = {}
-    ok = seen.get(value)
-    if ok is None:
-        ok = bool(pattern.match(value))
+    got = seen.get(value, "")
+    if got == "":
+        got = value if pattern.match(value) else None
         if len(seen) > 4096:
             seen.clear()
-        seen[value] = ok
-    if not ok:
+        seen[value] = got
+    if got is None:
         raise InvalidObject(f"{where}: {value!r} is not a valid {what}"[:200])
-    return value
+    return got
 
 
 def _opt_str(obj: dict, key: str, where: str) -> str:
@@ -153,7 +155,7 @@ def _meta(obj: dict, namespaced: bool, name_rule: re.Pattern = _DNS1123_SUBDOMAI
     ns = ""
     if namespaced:
         ns = _get(meta, "namespace", str, "default", where="metadata")
-        _check_label(ns, _DNS1123_LABEL, "namespace (DNS-1123 label)", "metadata.namespace")
+        ns = _check_label(ns, _DNS1123_LABEL, "namespace (DNS-1123 label)", "metadata.namespace")
     labels = _get(meta, "labels", dict, {}, where="metadata")
     annotations = _get(meta, "annotations", dict, {}, where="metadata")
     return ns, name, labels, annotations
@@ -369,14 +371,14 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
     elif type(node_name) is not str:
         raise _field_error(i, "nodeName", node_name)
     elif node_name:
-        _check_label(node_name, _DNS1123_SUBDOMAIN, "node name", f"endpoints[{i}].nodeName")
+        node_name = _check_label(node_name, _DNS1123_SUBDOMAIN, "node name", f"endpoints[{i}].nodeName")
     zone = get("zone")
     if zone is None:
         zone = ""
     elif type(zone) is not str:
         raise _field_error(i, "zone", zone)
     elif zone:
-        _check_label(zone, _LABEL_VALUE, "zone (label value)", f"endpoints[{i}].zone")
+        zone = _check_label(zone, _LABEL_VALUE, "zone (label value)", f"endpoints[{i}].zone")
     pod_name = pod_ns = ""
     ref = get("targetRef")
     if ref is not None:
@@ -387,8 +389,8 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
             if pod_name and not _DNS1123_SUBDOMAIN.match(pod_name):
                 _name(pod_name, _DNS1123_SUBDOMAIN, "Pod name", f"endpoints[{i}].targetRef.name")
             pod_ns = _opt_str(ref, "namespace", f"endpoints[{i}].targetRef") or ns
-            if pod_ns != ns:
-                _check_label(pod_ns, _DNS1123_LABEL, "namespace", f"endpoints[{i}].targetRef.namespace")
+            if pod_ns is not ns:
+                pod_ns = _check_label(pod_ns, _DNS1123_LABEL, "namespace", f"endpoints[{i}].targetRef.namespace")
     hints = get("hints")
     hint_zones = None
     if hints is not None:
