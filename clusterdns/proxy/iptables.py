@@ -69,6 +69,10 @@ class RuleSet:
     counts: dict[str, int]              # table -> rules written in this text
     deleted: dict[str, frozenset[str]] = field(default_factory=dict)  # table -> chains removed (-X)
     large_cluster: bool = False
+    # Service key -> (its filter rules, its nat KUBE-SERVICES/KUBE-NODEPORTS rules, its nat
+    # chains, their rules' text) as this text leaves them: a later partial render writes
+    # only the difference.
+    tops: dict[tuple[str, str], tuple[list[str], list[str], list[str], list[str]]] = field(default_factory=dict)
 
 
 def _q(comment: str) -> str:
@@ -110,22 +114,29 @@ class _Tables:
 def render(state: ClusterState, cfg: Config, family: int = 4, *,
            only: set[tuple[str, str]] | None = None,
            existing: dict[str, set[str]] | None = None,
-           jumps: bool = True) -> RuleSet:
+           jumps: bool = True,
+           previous: RuleSet | None = None) -> RuleSet:
     """The iptables-restore text for `state`.
 
     only: None for a full sync; else the Service keys whose per-service chains
-    are rewritten (a partial sync: the filter table and the top-level nat
-    chains are still rewritten whole). existing: chains now in the kernel
+    are rewritten (a partial sync). Without `previous` a partial text still
+    rewrites the filter table and the top-level nat chains whole, as kube-proxy
+    does; with `previous` (the RuleSet last applied, whose rules are in the
+    kernel) it writes only what changed: the changed Services' lines in the
+    top-level chains are deleted (-D) and added (-A; -I 1 in nat KUBE-SERVICES,
+    whose last rule must stay last), their chains rewritten, the chains they no
+    longer use deleted, and nothing else. existing: chains now in the kernel
     (table -> names); per-service chains among them that are no longer used
     are flushed and deleted in the same text. jumps: whether a full sync
     inserts the jumps from the built-in chains.
     """
     with gc_paused():
-        return _render(state, cfg, family, only, existing, jumps)
+        return _render(state, cfg, family, only, existing, jumps, previous)
 
 
 def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, str]] | None,
-            existing: dict[str, set[str]] | None, jumps: bool) -> RuleSet:
+            existing: dict[str, set[str]] | None, jumps: bool,
+            previous: RuleSet | None = None) -> RuleSet:
     node = node_info(state, cfg, family)
     ports = service_ports(state, cfg, family)
     mark = mark_hex(cfg)
@@ -157,6 +168,9 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     svc_blocks: list[str] = []
     svc_rule_count = 0
     svc_chain_names: list[str] = []
+    tops: dict[tuple[str, str], tuple[list[str], list[str], list[str], list[str]]] = {}
+    delta = not full and previous is not None
+    blocks: dict[tuple[str, str], list[tuple[str, str, int]]] = {}   # delta: changed Services' chains
     ctx = (family, node.local_cidr, node.primary_ip, cfg.masquerade_all, large)
     old = _BLOCKS.get(ctx, {})
     cache: dict[int, tuple] = {}
@@ -169,12 +183,22 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
             block = _service(info, cat, node, cfg, large)
         cache[id(info)] = (pair, block)   # the pair holds info alive: its id is not reused
         f_rules, top, chains, decls, rules, count = block
+        t = tops.get(info.service)
+        if t is None:
+            tops[info.service] = t = ([], [], [], [])
+        t[0].extend(f_rules)
+        t[1].extend(top)
+        t[2].extend(chains)
+        t[3].append(rules)
         if f_rules:
             filter_rules += f_rules
         nat_rules += top
         # the chains that internal traffic uses must exist even when not rewritten
         svc_chain_names += chains
         if full or info.service in only:
+            if delta:
+                blocks.setdefault(info.service, []).append((decls if chains else "", rules if count else "", count))
+                continue
             if chains:
                 svc_decls.append(decls)
             if count:
@@ -210,6 +234,10 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     for chain in sorted((existing or {}).get("nat", ())):
         if n.is_service_chain(chain) and chain not in nat_active:
             deleted.add(chain)
+
+    if delta:
+        assert previous is not None and only is not None
+        return _delta(previous, tops, only, blocks, deleted, nat_active, filter_chains, large)
 
     deleted_sorted = sorted(deleted)
 
@@ -251,7 +279,62 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
         "nat": len(nat_rules) + svc_rule_count + len(jump_lines["nat"]),
     }
     return RuleSet(text=text, chains=chains, counts=counts,
-                   deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large)
+                   deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large, tops=tops)
+
+
+def _delta(previous: RuleSet, tops: dict, only: set[tuple[str, str]],
+           blocks: dict[tuple[str, str], list[tuple[str, str, int]]], deleted: set[str], nat_active: set[str],
+           filter_chains: list[str], large: bool) -> RuleSet:
+    """A partial text writing only what changed since `previous` (see render)."""
+    none: tuple[list[str], list[str], list[str], list[str]] = ([], [], [], [])
+    svc_decls: list[str] = []
+    svc_blocks: list[str] = []
+    svc_rule_count = 0
+    f_del: list[str] = []
+    f_add: list[str] = []
+    n_del: list[str] = []
+    n_add: list[str] = []
+    for key in sorted(only):
+        old = previous.tops.get(key, none)
+        new = tops.get(key, none)
+        for was, now, dels, adds in ((old[0], new[0], f_del, f_add), (old[1], new[1], n_del, n_add)):
+            if was == now:
+                continue
+            keep = set(now)
+            dels += ["-D " + line[3:] for line in was if line not in keep]
+            gone = set(was)
+            adds += [line for line in now if line not in gone]
+        # chains the changed Services used and no longer do
+        deleted.update(c for c in old[2] if c not in nat_active)
+        # its chains, unless they hold exactly what they held
+        if old[2] != new[2] or old[3] != new[3]:
+            for decls, rules, count in blocks.get(key, ()):
+                if decls:
+                    svc_decls.append(decls)
+                if rules:
+                    svc_blocks.append(rules)
+                    svc_rule_count += count
+    n_add = [("-I KUBE-SERVICES 1 " + line[len("-A KUBE-SERVICES "):]) if line.startswith("-A KUBE-SERVICES ")
+             else line for line in n_add]
+    deleted_sorted = sorted(deleted)
+    out: list[str] = []
+    if f_del or f_add:
+        out += ["*filter", *f_del, *f_add, "COMMIT"]
+    if n_del or n_add or svc_decls or deleted_sorted:
+        out.append("*nat")
+        out += svc_decls
+        out += [f":{c} - [0:0]" for c in deleted_sorted]
+        out += n_del
+        out += n_add
+        out += svc_blocks
+        out += [f"-X {c}" for c in deleted_sorted]
+        out.append("COMMIT")
+    text = "\n".join(out) + "\n" if out else ""
+    chains = {"filter": frozenset(set(filter_chains) | {n.KUBE_PROXY_CANARY}),
+              "nat": frozenset(set(NAT_CHAINS) | nat_active | {n.KUBE_PROXY_CANARY})}
+    counts = {"filter": len(f_add), "nat": len(n_add) + svc_rule_count}
+    return RuleSet(text=text, chains=chains, counts=counts,
+                   deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large, tops=tops)
 
 
 # Per-service blocks across renders: context -> id(info) -> ((info, cat), block).
