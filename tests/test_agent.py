@@ -207,24 +207,44 @@ from clusterdns.synthetic import to_manifest  # noqa: E402
 
 class SlowKernel:
     """A CommandRunner standing in for iptables: restores take `delay` seconds and
-    are recorded with their completion time; reads answer as an empty kernel."""
+    are recorded with their completion time; reads answer as an empty kernel. It keeps
+    the KUBE-SERVICES rules (nat and filter) as a kernel would: a declared chain is
+    flushed, -A/-I add, -D delete (partial texts carry only what changed)."""
 
     def __init__(self) -> None:
         self.delay = 0.0
         self.applied: list[tuple[float, str]] = []   # (completed at, restore text)
         self.gate: asyncio.Event | None = None
+        self.rules: dict[str, set[str]] = {"nat": set(), "filter": set()}
 
     async def run(self, argv, stdin=None):
         argv = tuple(argv)
-        if "restore" in argv[0] and stdin is not None and "KUBE-SERVICES" in stdin:
+        if "restore" in argv[0] and stdin is not None and "KUBE-" in stdin:
             if self.gate is not None:
                 await self.gate.wait()
             await asyncio.sleep(self.delay)
+            self._apply(stdin)
             self.applied.append((time.monotonic(), stdin))
         return Result(argv, 0)
 
+    def _apply(self, text: str) -> None:
+        table = ""
+        for line in text.splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif table in self.rules and line.startswith(":KUBE-SERVICES "):
+                self.rules[table] = set()
+            elif table in self.rules and line[:3] in ("-A ", "-I ", "-D ") and line[3:].startswith("KUBE-SERVICES "):
+                spec = line[3:].split(" ", 1)[1]
+                if line.startswith("-I KUBE-SERVICES 1 "):
+                    spec = spec[2:]
+                if line.startswith("-D "):
+                    self.rules[table].discard(spec)
+                else:
+                    self.rules[table].add(spec)
+
     def has_rules_for(self, ip: str) -> bool:
-        return bool(self.applied) and f"-d {ip}" in self.applied[-1][1]
+        return any(f"-d {ip} " in spec for specs in self.rules.values() for spec in specs)
 
 
 def manifest(path, services):
