@@ -191,6 +191,49 @@ class StateStore:
                 self._synced.add(kind)
             self._full = True
 
+    def prepare_replace_all(self, records_by_kind: Mapping[str, Iterable[Any]]) -> "PreparedReplace":
+        """The work of replacing every kind (a manifest reload), done without touching the
+        store: safe in a worker thread while the event loop keeps serving. commit() it on
+        the loop; it is used only if no other write came in between."""
+        base = self.current
+        tables: dict[str, dict] = {}
+        changed: set[tuple[str, str]] = set()
+        kinds: set[str] = set()
+        for kind in KINDS:
+            old = base.of_kind(kind)
+            new = {record_key(kind, r): r for r in records_by_kind.get(kind, ())}
+            tables[kind] = new
+            touched = [r for k, r in old.items() if new.get(k) != r]
+            touched += [r for k, r in new.items() if old.get(k) != r]
+            if touched:
+                kinds.add(kind)
+                if kind == "Service":
+                    changed.update(r.key for r in touched)
+                elif kind == "EndpointSlice":
+                    changed.update(r.service_key for r in touched)
+        by_service: dict[tuple[str, str], dict[tuple[str, str], EndpointSlice]] = {}
+        for key, sl in tables["EndpointSlice"].items():
+            by_service.setdefault(sl.service_key, {})[key] = sl
+        index = {svc: tuple(group[k] for k in sorted(group)) for svc, group in by_service.items()}
+        return PreparedReplace(base, tables, frozenset(changed), frozenset(kinds), by_service,
+                               MappingProxyType(index))
+
+    def commit(self, prepared: "PreparedReplace") -> bool:
+        """Publish a prepared replacement (on the loop). False, and nothing done, when the
+        store changed since it was prepared: the caller replaces the usual way then."""
+        if self.current is not prepared.base or self._depth or self._pending is not None:
+            return False
+        self._by_service = prepared.by_service
+        self._index = prepared.index
+        self._index_dirty = set()
+        self._pending = prepared.tables
+        self._changed = set(prepared.changed)
+        self._kinds = set(prepared.kinds)
+        self._synced = set(KINDS)
+        self._full = True
+        self._publish()
+        return True
+
     def mark_synced(self, *kinds: str) -> None:
         with self.batch():
             self._synced.update(kinds)
@@ -239,6 +282,17 @@ class StateStore:
         self._full = False
 
 
+@dataclass(frozen=True)
+class PreparedReplace:
+    """StateStore.prepare_replace_all's result: new tables and what changed from `base`."""
+    base: ClusterState
+    tables: dict[str, dict]
+    changed: frozenset[tuple[str, str]]
+    kinds: frozenset[str]
+    by_service: dict[tuple[str, str], dict[tuple[str, str], EndpointSlice]]
+    index: Mapping[tuple[str, str], tuple[EndpointSlice, ...]]
+
+
 def state_from_records(records: Iterable[tuple[str, Any]], synced: Iterable[str] = KINDS) -> ClusterState:
     """Build a complete state at once (tests, benchmarks, one-shot commands)."""
     store = StateStore()
@@ -251,4 +305,4 @@ def state_from_records(records: Iterable[tuple[str, Any]], synced: Iterable[str]
     return store.current
 
 
-__all__ = ["ClusterState", "Delta", "StateStore", "record_key", "state_from_records"]
+__all__ = ["ClusterState", "Delta", "PreparedReplace", "StateStore", "record_key", "state_from_records"]

@@ -86,3 +86,44 @@ def test_slice_index_kept_incrementally_equals_a_rebuild():
         cur = store.current
         rebuilt = ClusterState.slices_by_service.func(cur)   # the cached_property's own computation
         assert dict(cur.slices_by_service) == dict(rebuilt), step
+
+
+def test_prepared_replace_equals_the_usual_replace():
+    """prepare_replace_all (a worker thread's part) + commit gives the same version, delta and
+    index as replace() of every kind in one batch, and is refused once the store moved on."""
+    from clusterdns.state import StateStore
+    from clusterdns.synthetic import synthetic_records
+
+    def by_kind(records):
+        out = {}
+        for kind, rec in records:
+            out.setdefault(kind, []).append(rec)
+        return out
+
+    first = synthetic_records(services=30, endpoints=3)
+    second = synthetic_records(services=40, endpoints=2)[:-7] + [r for r in first if r[0] == "Node"]
+    results = []
+    for prepared in (False, True):
+        store = StateStore(clock=lambda: 1000.0)
+        seen = []
+        store.subscribe(lambda old, new, delta: seen.append(delta))
+        with store.batch():
+            for kind, recs in by_kind(first).items():
+                store.replace(kind, recs)
+        if prepared:
+            p = store.prepare_replace_all(by_kind(second))
+            assert store.commit(p)
+        else:
+            with store.batch():
+                for kind in ("Namespace", "Service", "EndpointSlice", "Pod", "Node"):
+                    store.replace(kind, by_kind(second).get(kind, []))
+        cur = store.current
+        results.append((cur.version, dict(cur.services), dict(cur.slices), dict(cur.nodes),
+                        dict(cur.slices_by_service), cur.synced, seen[-1]))
+        # a commit prepared against an older state is refused
+        stale = store.prepare_replace_all(by_kind(first))
+        store.upsert(*first[-1])
+        store.delete("EndpointSlice", (first[-1][1].namespace, first[-1][1].name))
+        assert not store.commit(stale)
+    assert results[0] == results[1]
+    assert results[1][-1].services and results[1][-1].full
