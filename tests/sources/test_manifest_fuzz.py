@@ -158,3 +158,90 @@ def test_loader_never_raises_and_keeps_the_last_good_state(docs):
                 assert store.current is before   # nothing served from a refused or broken file
             if not os.path.getsize(path):
                 assert store.current is before   # an emptied file is refused
+
+
+# -- the server stays up and answering while a fuzzer rewrites its manifest -------------
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import dns.message  # noqa: E402
+import dns.query  # noqa: E402
+import dns.rcode  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.netutil import free_port  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server():
+    tmp = tempfile.mkdtemp(prefix="clusterdns-fuzz-")
+    path = os.path.join(tmp, "m.yaml")
+    with open(path, "w") as fh:
+        json.dump({"apiVersion": "v1", "kind": "List", "items": GOOD}, fh)
+    port = free_port()
+    log = open(os.path.join(tmp, "server.log"), "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "clusterdns", "dns", "--manifest", path,
+                             "--listen", f"127.0.0.1:{port}", "--no-upstream", "--health-listen", "none",
+                             "--metrics-listen", "none"], stdout=log, stderr=subprocess.STDOUT)
+    query = dns.message.make_query("db.shop.svc.cluster.local", "A")
+    for _ in range(100):
+        try:
+            if dns.query.udp(query, "127.0.0.1", port=port, timeout=0.5).answer:
+                break
+        except Exception:
+            time.sleep(0.1)
+    stats = {"asked": 0, "failed": []}
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            try:
+                r = dns.query.udp(query, "127.0.0.1", port=port, timeout=2.0)
+                if r.rcode() not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
+                    stats["failed"].append(dns.rcode.to_text(r.rcode()))
+            except Exception as exc:   # a timeout: the server stalled or died
+                stats["failed"].append(type(exc).__name__)
+            stats["asked"] += 1
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    yield path, port, proc, stats
+    stop.set()
+    prober.join(5)
+    proc.terminate()
+    proc.wait(10)
+    log.seek(0)
+    assert "Traceback" not in log.read()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(documents())
+def test_server_keeps_answering_while_its_manifest_is_fuzzed(fuzzed_server, doc):
+    path, port, proc, stats = fuzzed_server
+    fmt, body = doc
+    tmp = path + ".new"
+    with open(tmp, "wb") as fh:
+        fh.write(render(fmt, body))
+    os.rename(tmp, path)
+    time.sleep(0.6)                      # settle (two polls) and the parse
+    assert proc.poll() is None, "the server exited"
+    assert not stats["failed"], stats["failed"][:5]
+
+
+def test_server_serves_the_good_file_again_after_the_fuzz(fuzzed_server):
+    path, port, proc, stats = fuzzed_server
+    with open(path + ".new", "w") as fh:
+        json.dump({"apiVersion": "v1", "kind": "List", "items": GOOD}, fh)
+    os.rename(path + ".new", path)
+    query = dns.message.make_query("web.shop.svc.cluster.local", "A")
+    for _ in range(100):
+        r = dns.query.udp(query, "127.0.0.1", port=port, timeout=2.0)
+        if r.answer and r.answer[0][0].address == "10.96.0.5":
+            break
+        time.sleep(0.1)
+    assert r.answer and r.answer[0][0].address == "10.96.0.5"
+    assert proc.poll() is None and stats["asked"] > 25 and not stats["failed"]
