@@ -27,7 +27,7 @@ import struct
 import subprocess
 import threading
 from time import monotonic, perf_counter
-from typing import Callable
+from typing import Any, Callable
 
 from ..config import Config
 from ..state import ClusterState, Delta, StateStore
@@ -257,6 +257,7 @@ class _UdpReceiver:
 
     def _run(self) -> None:
         sock, fast, service, local = self.sock, self.service.engine.fast, self.service, self.local
+        lock = service.engine_lock
         recvfrom, sendto, count = sock.recvfrom, sock.sendto, local.fast_udp
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
         # handed over before ServerStats would fold on its own (one new key per query at most)
@@ -279,7 +280,8 @@ class _UdpReceiver:
                     self.flushed.set()
                 continue
             try:
-                reply = fast(data, False)
+                with lock:
+                    reply = fast(data, False)
             except Exception:
                 reply = service.panic(data)
                 if reply is not None:
@@ -321,6 +323,31 @@ class _UdpReceiver:
                 metrics.ServerStats.fold(stats)
 
 
+class _Locked:
+    """Awaits a coroutine running each of its steps (up to its next suspension) holding a
+    threading lock, so the receive threads never run engine code at the same time."""
+
+    __slots__ = ("coro", "lock")
+
+    def __init__(self, coro, lock: threading.Lock) -> None:
+        self.coro, self.lock = coro, lock
+
+    def __await__(self):
+        send, throw, lock = self.coro.send, self.coro.throw, self.lock
+        value: Any = None
+        exc: BaseException | None = None
+        while True:
+            with lock:
+                try:
+                    waiting = send(value) if exc is None else throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            try:
+                value, exc = (yield waiting), None
+            except BaseException as e:      # cancellation (or close) goes on into the coroutine
+                value, exc = None, e
+
+
 class _TcpConn:
     """An open DNS TCP connection: when it was last active and how many answers it awaits."""
     __slots__ = ("writer", "last", "inflight")
@@ -351,6 +378,9 @@ class DnsService:
         self.bound: list[tuple[str, int]] = []
         self.tasks: set[asyncio.Future] = set()
         self._receivers: list[_UdpReceiver] = []
+        # The engine's memos (LRU caches) are not thread-safe: fast() in the receive threads
+        # and on the loop (TCP), and each step of resolve(), run holding this lock.
+        self.engine_lock = threading.Lock()
         self._servers: list[asyncio.AbstractServer] = []
         self._stats: list[metrics.ServerStats] = []
         self._tcp_conns: dict[asyncio.StreamWriter, _TcpConn] = {}
@@ -419,7 +449,7 @@ class DnsService:
 
     async def resolve(self, data: bytes, client_ip: str, tcp: bool) -> bytes | list[bytes] | None:
         try:
-            return await self.engine.resolve(data, client_ip, tcp)
+            return await _Locked(self.engine.resolve(data, client_ip, tcp), self.engine_lock)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -478,7 +508,7 @@ class DnsService:
                            stats: metrics.ServerStats, conn: "_TcpConn") -> None:
         peer = writer.get_extra_info("peername") or ("", 0)
         client_ip = peer[0]
-        fast = self.engine.fast
+        fast, elock = self.engine.fast, self.engine_lock
         pending: set[asyncio.Future] = set()
         lock = asyncio.Lock()   # keeps each framed reply contiguous on the stream
 
@@ -527,7 +557,8 @@ class DnsService:
             started = perf_counter()
             part = metrics.FAST
             try:
-                reply = fast(data, True)
+                with elock:
+                    reply = fast(data, True)
             except Exception:
                 reply, part = self.panic(data), metrics.SERVER
             if reply is not None:

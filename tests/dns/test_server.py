@@ -798,3 +798,92 @@ def test_clients_resetting_with_pipelined_queries_are_not_panics(server):
     assert _metric(text, "coredns_panics_total") == before
     r = server.query("testapp-svc.testapp.svc.cluster.local.", tcp=True)
     assert r.answer[0][0].address == "172.20.36.232"
+
+
+class OneAtATimeEngine(EngineDouble):
+    """Records whether two threads were ever inside the engine at once (the engine's memos
+    are not thread-safe); the sleeps let another thread run in the middle if it may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = 0
+        self.overlaps = 0
+        self.calls = 0
+
+    def _enter(self) -> None:
+        self.inside += 1
+        self.calls += 1
+        if self.inside > 1:
+            self.overlaps += 1
+        time.sleep(0.0002)
+
+    def fast(self, data: bytes, tcp: bool) -> bytes | None:
+        self._enter()
+        try:
+            return super().fast(data, tcp)
+        finally:
+            self.inside -= 1
+
+    async def resolve(self, data: bytes, client_ip: str, tcp: bool):
+        self._enter()
+        self.inside -= 1
+        await asyncio.sleep(0)          # suspended: other threads may use the engine meanwhile
+        self._enter()
+        try:
+            return await super().resolve(data, client_ip, tcp)
+        finally:
+            self.inside -= 1
+
+
+async def test_engine_is_never_entered_by_two_threads_at_once():
+    engine = OneAtATimeEngine()
+    service = DnsService(cfg_for("--workers", "3"), StateStore(), engine=engine)
+    await service.start()
+    try:
+        host, port = service.bound[0]
+
+        async def tcp_and_slow() -> int:
+            ok = 0
+            for i in range(40):
+                r = await dns.asyncquery.tcp(dns.message.make_query(f"fast.t{i}.example.", "A"), host,
+                                             port=port, timeout=3)
+                r2 = await dns.asyncquery.udp(dns.message.make_query(f"other{i}.example.", "A"), host,
+                                              port=port, timeout=3)
+                ok += r.rcode() == dns.rcode.NOERROR and r2.rcode() == dns.rcode.NOERROR
+            return ok
+
+        answered = await asyncio.gather(_udp_burst(host, port, 300), _udp_burst(host, port, 300), tcp_and_slow())
+        assert answered == [300, 300, 40]
+        assert engine.calls >= 720 and engine.overlaps == 0
+    finally:
+        await service.stop()
+
+
+async def test_locked_coroutine_returns_raises_and_is_cancelled_with_the_lock_free():
+    import threading
+
+    from clusterdns.dns.server import _Locked
+    lock = threading.Lock()
+    seen = []
+
+    async def work(x):
+        seen.append(lock.locked())
+        await asyncio.sleep(0.01)
+        seen.append(lock.locked())
+        if x == "raise":
+            raise KeyError(x)
+        if x == "wait":
+            await asyncio.sleep(10)
+        return x * 2
+
+    assert await _Locked(work(21), lock) == 42
+    assert seen == [True, True] and not lock.locked()
+    with pytest.raises(KeyError):
+        await _Locked(work("raise"), lock)
+    task = asyncio.ensure_future(_Locked(work("wait"), lock))
+    await asyncio.sleep(0.05)
+    assert not lock.locked()            # suspended: the lock is free for the receive threads
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not lock.locked()
