@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The answer engine alone (no sockets): what a query costs the first time and after.
 
-    python3 bench/dns/answers.py [--services 2000] [--rounds 5] [--big]
+    python3 bench/dns/answers.py [--services 2000] [--rounds 5] [--big] [--peer DIR]
 
 Prints medians over `rounds` runs, in microseconds per query:
   hit          fast() on a prebuilt answer (A, with and without EDNS)
@@ -9,11 +9,15 @@ Prints medians over `rounds` runs, in microseconds per query:
   first A/AAAA fast() on Services asked once (A, AAAA NODATA)
   first SRV    headless Services asked SRV once
   first PTR    ClusterIP and endpoint addresses asked once
-and, with --big, the first SRV and A of one headless Service with 10,000 and
-100,000 endpoints and the first SRV of a Service with 10,000 ports (ms), the
-largest time one such answer held the caller, and whether a flood of 500,000
-never-seen names left a hot name's answer in the table; then RSS growth after
-unique names under unique namespace labels.
+(a query fast() leaves to resolve() is answered there, in asyncio.run, and costs that).
+`--peer DIR`: another checkout (e.g. `git worktree add /tmp/before main~3`, or a
+`git archive` of it); its engine is measured in the same process, batch by
+batch alternating with this tree's, and the ratio printed (this / peer).
+
+With --big: the first SRV and A of one headless Service with 10,000 and 100,000
+endpoints and the first SRV of a Service with 10,000 ports (ms), whether a
+flood of 500,000 never-seen names left the names asked before prebuilt, and the
+RSS after unique names under unique namespace labels (this tree only).
 
 The machine is shared and small: read the figures as ratios between rows of one run.
 """
@@ -27,6 +31,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,11 +47,30 @@ from clusterdns.dns.engine import Engine  # noqa: E402
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort  # noqa: E402
 from clusterdns.sources.manifest import publish  # noqa: E402
 from clusterdns.state import StateStore  # noqa: E402
-from clusterdns.synthetic import synthetic_records  # noqa: E402
 
 
 def wire(name: str, qtype: str = "A", **kw) -> bytes:
     return dns.message.make_query(name, qtype, **kw).to_wire()
+
+
+class Impl:
+    """One checkout's engine: its own modules (a peer tree is imported under another name)."""
+
+    def __init__(self, label: str, pkg: str) -> None:
+        import importlib
+        self.label = label
+        self.Config = importlib.import_module(f"{pkg}.config").Config
+        self.Engine = importlib.import_module(f"{pkg}.dns.engine").Engine
+        self.publish = importlib.import_module(f"{pkg}.sources.manifest").publish
+        self.StateStore = importlib.import_module(f"{pkg}.state").StateStore
+        self.synthetic = importlib.import_module(f"{pkg}.synthetic").synthetic_records
+
+    def engine(self, records, **options):
+        store = self.StateStore()
+        self.publish(store, records)
+        engine = self.Engine(replace(self.Config(), **options))
+        engine.update(store.current)
+        return engine
 
 
 def engine_for(records, **options) -> Engine:
@@ -57,16 +81,16 @@ def engine_for(records, **options) -> Engine:
     return engine
 
 
-def answer(engine: Engine, w: bytes, tcp: bool = False) -> bytes:
+def answer(engine, w: bytes, tcp: bool = False) -> bytes:
     r = engine.fast(w, tcp)
     if r is None:
         r = asyncio.run(engine.resolve(w, "10.0.0.1", tcp))
     return r
 
 
-def per_query(engine_factory, batch, repeat: int = 1) -> float:
+def per_query(impl: Impl, records, batch, repeat: int = 1) -> float:
     """us per query: a fresh engine, then each wire of `batch` answered `repeat` times."""
-    engine = engine_factory()
+    engine = impl.engine(records)
     gc.collect()
     t0 = time.perf_counter()
     for _ in range(repeat):
@@ -98,10 +122,17 @@ def main() -> None:
     ap.add_argument("--services", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--big", action="store_true")
+    ap.add_argument("--peer", help="another checkout to measure alongside (its clusterdns package)")
     args = ap.parse_args()
     n = args.services
-    records = synthetic_records(n, 3, headless_every=10)
-    rows: dict[str, list[float]] = {}
+    impls = [Impl("this tree", "clusterdns")]
+    if args.peer:
+        link = Path(tempfile.mkdtemp()) / "peer_clusterdns"
+        link.symlink_to(Path(args.peer).resolve() / "clusterdns")
+        sys.path.insert(0, str(link.parent))
+        impls.append(Impl(f"peer {args.peer}", "peer_clusterdns"))
+    records = {i.label: i.synthetic(n, 3, headless_every=10) for i in impls}
+    rows: dict[str, dict[str, list[float]]] = {}
 
     hot = wire("svc-5.ns-5.svc.cluster.local")
     hot_edns = wire("svc-5.ns-5.svc.cluster.local", use_edns=0, payload=1232)
@@ -110,31 +141,41 @@ def main() -> None:
     fresh_a = [wire(f"svc-{i}.ns-{i % 10}.svc.cluster.local") for i in range(1, n) if i % 10]
     fresh_aaaa = [wire(f"svc-{i}.ns-{i % 10}.svc.cluster.local", "AAAA") for i in range(1, n) if i % 10]
     fresh_srv = [wire(f"svc-{i}.ns-{i % 10}.svc.cluster.local", "SRV") for i in range(0, n, 10)]
-    fresh_ptr = [wire(dns.reversename.from_address(str(ipaddress.ip_address(int(ipaddress.ip_address("10.96.0.0"))
-                                                                              + 1 + i))).to_text(), "PTR")
+    base4 = int(ipaddress.ip_address("10.96.0.0"))
+    fresh_ptr = [wire(dns.reversename.from_address(str(ipaddress.ip_address(base4 + 1 + i))).to_text(), "PTR")
                  for i in range(1, n) if i % 10]
-    fresh_ptr_ep = [wire(dns.reversename.from_address(str(ipaddress.ip_address(int(ipaddress.ip_address("10.0.0.0"))
-                                                                                 + 256 + i))).to_text(), "PTR")
+    base_ep = int(ipaddress.ip_address("10.0.0.0")) + 256
+    fresh_ptr_ep = [wire(dns.reversename.from_address(str(ipaddress.ip_address(base_ep + i))).to_text(), "PTR")
                     for i in range(0, 3 * n, 3)]
     for _ in range(args.rounds):
-        for label, batch, repeat in (("first NXDOMAIN (never-seen name under svc)", nx, 1),
-                                     ("first NXDOMAIN (search-path candidate)", search, 1),
-                                     ("first A of a Service", fresh_a, 1),
-                                     ("first AAAA (NODATA) of a Service", fresh_aaaa, 1),
-                                     ("first SRV of a headless Service", fresh_srv, 1),
-                                     ("first PTR of a ClusterIP", fresh_ptr, 1),
-                                     ("first PTR of an endpoint", fresh_ptr_ep, 1)):
-            rows.setdefault(label, []).append(per_query(lambda: engine_for(records), batch, repeat))
-        e = engine_for(records)
-        for label, w in (("hit, A", hot), ("hit, A with EDNS", hot_edns)):
-            answer(e, w)
-            t0 = time.perf_counter()
-            for _ in range(20000):
-                e.fast(w, False)
-            rows.setdefault(label, []).append((time.perf_counter() - t0) / 20000 * 1e6)
+        for label, batch in (("first NXDOMAIN (never-seen name under svc)", nx),
+                             ("first NXDOMAIN (search-path candidate)", search),
+                             ("first A of a Service", fresh_a),
+                             ("first AAAA (NODATA) of a Service", fresh_aaaa),
+                             ("first SRV of a headless Service", fresh_srv),
+                             ("first PTR of a ClusterIP", fresh_ptr),
+                             ("first PTR of an endpoint", fresh_ptr_ep)):
+            for impl in impls:
+                rows.setdefault(label, {}).setdefault(impl.label, []).append(
+                    per_query(impl, records[impl.label], batch))
+        for impl in impls:
+            e = impl.engine(records[impl.label])
+            for label, w in (("hit, A", hot), ("hit, A with EDNS", hot_edns)):
+                answer(e, w)
+                answer(e, w)
+                t0 = time.perf_counter()
+                for _ in range(20000):
+                    e.fast(w, False)
+                rows.setdefault(label, {}).setdefault(impl.label, []).append((time.perf_counter() - t0) / 20000 * 1e6)
     print(f"engine, {n} services x 3 endpoints (10% headless), median of {args.rounds} (us per query):")
-    for label, vals in rows.items():
-        print(f"  {label:46s} {statistics.median(vals):8.2f}")
+    head = "".join(f"{i.label[:22]:>24s}" for i in impls) + ("   ratio" if len(impls) > 1 else "")
+    print(f"  {'':46s}{head}")
+    for label, per in rows.items():
+        meds = [statistics.median(per[i.label]) for i in impls]
+        line = "".join(f"{m:24.2f}" for m in meds)
+        if len(meds) > 1:
+            line += f"   {meds[0] / meds[1]:5.2f}"
+        print(f"  {label:46s}{line}")
 
     if args.big:
         print("\nbig answers (ms for the first answer, one run each):")

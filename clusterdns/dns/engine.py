@@ -52,7 +52,6 @@ from .wire import (
     read_query,
     render,
     rotations,
-    splice,
     ttl_offsets,
     udp_limit,
     with_ttl,
@@ -168,8 +167,11 @@ class Engine:
         opt = b"" if edns < 0 else (self._opt_do if edns else self._opt)
         view = self._view
         key = data[12:end + 1].lower() + data[end + 1:end + 3]
-        entry = view.memo.get(key)
-        if entry is None:
+        memo = view.memo
+        entry = memo.get(key)
+        if entry is not None:
+            memo.move_to_end(key)
+        else:
             entry = self._memo_miss(view, key)
             if entry is None:
                 if self._fwd:
@@ -183,7 +185,9 @@ class Engine:
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
         if qend + len(body.data) + len(opt) > limit or body.spots:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
-        return splice(body, entry.flags, data, qend, opt)
+        return b"".join((data[:2], struct.pack(">HHHHH", entry.flags | ((data[2] << 8 | data[3]) & 0x0110), 1,
+                                               body.an, body.ns, body.ar + (1 if opt else 0)),
+                         data[12:qend], body.data, opt))
 
     def _memo_miss(self, view: ZoneView, key: bytes) -> Entry | None:
         """An answer asked once before (moved up to the memo now) or carried over from an
@@ -205,7 +209,8 @@ class Engine:
         if qtype == AXFR or qtype == IXFR:
             return None
         raw = qname_labels(data, qend)
-        labels = tuple(l.lower().decode("latin-1") for l in raw)
+        lower = tuple(l.lower() for l in raw)
+        labels = tuple(l.decode("latin-1") for l in lower)
         if names.zone_of(labels, view.zones) is None:
             return None
         try:
@@ -214,7 +219,7 @@ class Engine:
             return None
         if ans.chase is not None or (ans.rcode == NXDOMAIN and not self._nx_memoisable(labels, view)):
             return None
-        entry = self._entry_for(raw, ans, end, view)
+        entry = self._entry_for(raw, ans, end, view, lower, labels)
         self._remember(view, key, entry)
         return entry
 
@@ -228,7 +233,7 @@ class Engine:
         the zone's labels in the question, so the bytes depend on where the zone starts."""
         if self._nx_view is not view:
             self._nx_view, self._nx_entries = view, {}
-        at = (zone, end - sum(len(l) + 1 for l in zone))
+        at = (zone, end)
         body = self._nx_entries.get(at)
         if body is None:
             body = self._nx_entries[at] = pack_body(tuple(l.lower() for l in raw), (), [view.soa(zone)],
@@ -349,7 +354,7 @@ class Engine:
         if qtype in (AXFR, IXFR):
             return await self._transfer(q, view)
         key = data[12:q.qend - 4].lower() + data[q.qend - 4:q.qend - 2]
-        entry = view.memo.get(key) or self._memo_miss(view, key)
+        entry = view.memo.hit(key) or self._memo_miss(view, key)
         if entry is not None:
             return self._render_entry(q, entry)
         zone = names.zone_of(q.labels, view.zones)
@@ -369,7 +374,7 @@ class Engine:
                     return reply
         if ans.chase is not None:
             return await self._chase_upstream(q, ans)
-        entry = self._entry_for(q.raw_labels, ans, q.qend - 5, view)
+        entry = self._entry_for(q.raw_labels, ans, q.qend - 5, view, None, q.labels)
         if ans.rcode != NXDOMAIN or self._nx_memoisable(q.labels, view):
             self._remember(view, key, entry)
         return self._render_entry(q, entry)
@@ -422,23 +427,28 @@ class Engine:
         return self._entry_for(q.raw_labels, ans, None, self._view)
 
     def _entry_for(self, raw_labels: tuple[bytes, ...], ans: Answer, end: int | None = None,
-                   view: ZoneView | None = None) -> Entry:
+                   view: ZoneView | None = None, lower: tuple[bytes, ...] | None = None,
+                   labels: Labels | None = None) -> Entry:
         """Pack a zone answer for the question `raw_labels` (its name ends at offset `end`
-        of the message: negative answers then take the zone's SOA template)."""
+        of the message: negative answers then take the zone's SOA template). `lower` and
+        `labels`: the question lower-cased, as bytes and as str, when the caller has them."""
         view = view or self._view
-        lower = tuple(l.lower() for l in raw_labels)
+        if lower is None:
+            lower = tuple(l.lower() for l in raw_labels)
+        if labels is None:
+            labels = tuple(l.decode("latin-1") for l in lower)
         flags = QR | AA | ans.rcode
         answer = ans.answer
         zone = ans.zone
-        zl = len(zone)
-        if not zl or tuple(l.decode("latin-1") for l in lower[len(lower) - zl:]) != zone:
+        zl: int | None = len(zone)
+        if not zl or labels[len(labels) - len(zone):] != zone:
             zl = None
         negative = not answer and len(ans.authority) == 1 and not ans.additional
         if negative:
             serial = self._view_serial(ans)
             if end is not None and zl is not None and view is self._view and ans.authority[0] is view.soa(zone) \
                     and not _names_in_soa(lower, zl):
-                return Entry(flags, [self._soa_body(view, zone, raw_labels, end)], ans.cacheable, ans.dep, serial)
+                return Entry(flags, [self._soa_body(view, zone, lower, end)], ans.cacheable, ans.dep, serial)
             return Entry(flags, [pack_body(lower, (), ans.authority, (), zone_len=zl)], ans.cacheable, ans.dep,
                          serial)
         first = pack_body(lower, answer, ans.authority, ans.additional, zone_len=zl)

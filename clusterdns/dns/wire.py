@@ -306,14 +306,6 @@ def read_query(data: bytes, tcp: bool, udp_size: int) -> tuple[int, int, int, in
     return end, qend, edns, limit
 
 
-def splice(body: Body, flags: int, data: bytes, qend: int, opt: bytes) -> bytes:
-    """A reply that needs no truncation and no zone spelling: the query's ID, `flags` with its
-    RD/CD, counts, the query's question bytes, the body, the OPT (the fast path's join)."""
-    return b"".join((data[:2], struct.pack(">HHHHH", flags | ((data[2] << 8 | data[3]) & QUERY_FLAGS), 1,
-                                           body.an, body.ns, body.ar + (1 if opt else 0)),
-                     data[12:qend], body.data, opt))
-
-
 def question_end(data: bytes) -> int:
     """Offset just past the first question (name, type, class); -1 if malformed or compressed."""
     pos = 12
@@ -364,4 +356,4 @@ def rotations(answer: list[RR], max_variants: int = 8) -> list[list[RR]]:
 
 
 __all__ = ["Body", "Entry", "pack_body", "ttl_offsets", "with_ttl", "render", "opt_record", "question_end", "qname_labels",
-           "udp_limit", "rotations", "read_query", "splice", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]
+           "udp_limit", "rotations", "read_query", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import socket
+from collections import OrderedDict
 from typing import Callable, Iterator
 
-import cachetools
 from dnslib import AAAA as RD_AAAA
 from dnslib import CNAME as RD_CNAME
 from dnslib import NS as RD_NS
@@ -41,6 +42,61 @@ HINFO_RDATA = RD(b"\x07RFC8482\x00")   # RFC 8482 section 4.2: the minimal answe
 
 def label(parts: Labels) -> DNSLabel:
     return DNSLabel(tuple(p.encode("latin-1") for p in parts))
+
+
+class _AddressRR(RR):
+    """An A/AAAA record made without dnslib's per-field checks and address parsing (the
+    fields come from validated state); packs and reads as any dnslib RR."""
+    rname = None     # plain attributes in place of dnslib's checked properties
+    rtype = A
+    rclass = 1
+    ttl = 0
+
+    def __init__(self, rname: DNSLabel, rtype: int, ttl: int, rdata: RD) -> None:
+        self.rname, self.rtype, self.ttl, self.rdata = rname, rtype, ttl, rdata
+
+
+class _AddressRD4(RD_A):
+    data = None
+
+    def __init__(self, data: tuple) -> None:
+        self.data = data
+
+
+class _AddressRD6(RD_AAAA):
+    data = None
+
+    def __init__(self, data: tuple) -> None:
+        self.data = data
+
+
+def address_rr(owner: DNSLabel, ip: str, ttl: int) -> RR:
+    """The A or AAAA record of `ip` (a valid address) at `owner`."""
+    if ":" in ip:
+        return _AddressRR(owner, AAAA, ttl, _AddressRD6(tuple(socket.inet_pton(socket.AF_INET6, ip))))
+    return _AddressRR(owner, A, ttl, _AddressRD4(tuple(socket.inet_pton(socket.AF_INET, ip))))
+
+
+class Lru(OrderedDict):
+    """A table that drops its least recently used entry when full. The engine's fast path
+    reads it with get() + move_to_end(), both C calls: a hit is the hottest line of the
+    server, and cachetools' LRUCache spends four interpreted calls on one."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.limit:
+            self.popitem(last=False)
+
+    def hit(self, key):
+        """get() that counts as a use."""
+        v = self.get(key)
+        if v is not None:
+            self.move_to_end(key)
+        return v
 
 
 class BigAnswer(Exception):
@@ -242,8 +298,8 @@ class ZoneView:
         forward = [z for z in zones if not names.is_reverse(z)]
         self.primary: Labels = forward[0] if forward else zones[0]
         # prebuilt answers (the engine's): asked again -> memo, asked once so far -> probation
-        self.memo: cachetools.LRUCache = cachetools.LRUCache(MEMO_LIMIT)
-        self.probation: cachetools.LRUCache = cachetools.LRUCache(PROBATION_LIMIT)
+        self.memo = Lru(MEMO_LIMIT)
+        self.probation = Lru(PROBATION_LIMIT)
         self._soas: dict[Labels, RR] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None
@@ -410,19 +466,19 @@ class ZoneView:
     def _addr_lazy(self, owner: DNSLabel, ips: Callable[[], Iterator[str]], qtype: int, nonempty: bool) -> "Lazy":
         if qtype not in (A, AAAA):
             return Lazy(lambda: iter(()), False)
-        ttl, rd, v6 = self.ttl, (RD_AAAA if qtype == AAAA else RD_A), qtype == AAAA
+        ttl, v6 = self.ttl, qtype == AAAA
 
         def make() -> Iterator[RR]:
             for ip in ips():
                 if (":" in ip) == v6:
-                    yield RR(owner, qtype, ttl=ttl, rdata=rd(ip))
+                    yield address_rr(owner, ip, ttl)
         return Lazy(make, nonempty)
 
     def _addr(self, owner: DNSLabel, ips, qtype: int) -> list[RR]:
         if qtype == A:
-            return [RR(owner, A, ttl=self.ttl, rdata=RD_A(ip)) for ip in ips if ":" not in ip]
+            return [address_rr(owner, ip, self.ttl) for ip in ips if ":" not in ip]
         if qtype == AAAA:
-            return [RR(owner, AAAA, ttl=self.ttl, rdata=RD_AAAA(ip)) for ip in ips if ":" in ip]
+            return [address_rr(owner, ip, self.ttl) for ip in ips if ":" in ip]
         return []
 
     def _srv_lazy(self, owner: DNSLabel, entries: Callable[[], Iterator[tuple]], count: int,
@@ -444,10 +500,7 @@ class ZoneView:
             for target, ip, port in entries():
                 if port is not None and (target, ip) not in seen:
                     seen.add((target, ip))
-                    if ":" in ip:
-                        yield RR(label(target), AAAA, ttl=ttl, rdata=RD_AAAA(ip))
-                    else:
-                        yield RR(label(target), A, ttl=ttl, rdata=RD_A(ip))
+                    yield address_rr(label(target), ip, ttl)
         return Lazy(srvs, with_port), Lazy(glue, with_port)
 
     def _srv(self, owner: DNSLabel, entries: list[tuple[Labels, str, int | None]]) -> tuple[list, list]:
@@ -465,10 +518,7 @@ class ZoneView:
             if (target, ip) not in seen_glue:
                 seen_glue.add((target, ip))
                 t = label(target)
-                if ":" in ip:
-                    glue.append(RR(t, AAAA, ttl=self.ttl, rdata=RD_AAAA(ip)))
-                else:
-                    glue.append(RR(t, A, ttl=self.ttl, rdata=RD_A(ip)))
+                glue.append(address_rr(t, ip, self.ttl))
         return srvs, glue
 
     # --- lookup ------------------------------------------------------------------------
