@@ -94,6 +94,10 @@ def _check_label(value: str, pattern: re.Pattern, what: str, where: str) -> str:
     return got
 
 
+_NODE_NAMES = _SEEN.setdefault(_DNS1123_SUBDOMAIN, {})   # value -> the shared string, or None if invalid
+_ZONES = _SEEN.setdefault(_LABEL_VALUE, {})
+
+
 def _opt_str(obj: dict, key: str, where: str) -> str:
     """An optional string field ("" when absent); anything but a string is invalid."""
     value = obj.get(key)
@@ -365,32 +369,38 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
         raise _field_error(i, "hostname", hostname)
     elif hostname and not _DNS1123_LABEL.match(hostname):
         _name(hostname, _DNS1123_LABEL, "hostname (DNS-1123 label)", f"endpoints[{i}].hostname")
+    # node names and zones repeat: the memo of _check_label, read here without the call
     node_name = get("nodeName")
     if node_name is None:
         node_name = ""
     elif type(node_name) is not str:
         raise _field_error(i, "nodeName", node_name)
     elif node_name:
-        node_name = _check_label(node_name, _DNS1123_SUBDOMAIN, "node name", f"endpoints[{i}].nodeName")
+        node_name = _NODE_NAMES.get(node_name) or _check_label(
+            node_name, _DNS1123_SUBDOMAIN, "node name", f"endpoints[{i}].nodeName")
     zone = get("zone")
     if zone is None:
         zone = ""
     elif type(zone) is not str:
         raise _field_error(i, "zone", zone)
     elif zone:
-        zone = _check_label(zone, _LABEL_VALUE, "zone (label value)", f"endpoints[{i}].zone")
+        zone = _ZONES.get(zone) or _check_label(zone, _LABEL_VALUE, "zone (label value)", f"endpoints[{i}].zone")
     pod_name = pod_ns = ""
     ref = get("targetRef")
     if ref is not None:
         if type(ref) is not dict:
             raise InvalidObject(f"endpoints[{i}].targetRef: expected a mapping")
         if ref.get("kind") == "Pod":
-            pod_name = _opt_str(ref, "name", f"endpoints[{i}].targetRef")
-            if pod_name and not _DNS1123_SUBDOMAIN.match(pod_name):
-                _name(pod_name, _DNS1123_SUBDOMAIN, "Pod name", f"endpoints[{i}].targetRef.name")
-            pod_ns = _opt_str(ref, "namespace", f"endpoints[{i}].targetRef") or ns
-            if pod_ns is not ns:
-                pod_ns = _check_label(pod_ns, _DNS1123_LABEL, "namespace", f"endpoints[{i}].targetRef.namespace")
+            pod_name = ref.get("name") or ""
+            if type(pod_name) is not str or (pod_name and not _DNS1123_SUBDOMAIN.match(pod_name)):
+                _name(_opt_str(ref, "name", f"endpoints[{i}].targetRef"), _DNS1123_SUBDOMAIN, "Pod name",
+                      f"endpoints[{i}].targetRef.name")
+            pod_ns = ref.get("namespace") or ns
+            if pod_ns is not ns and pod_ns != ns:
+                pod_ns = _check_label(_opt_str(ref, "namespace", f"endpoints[{i}].targetRef"), _DNS1123_LABEL,
+                                      "namespace", f"endpoints[{i}].targetRef.namespace")
+            else:
+                pod_ns = ns
     hints = get("hints")
     hint_zones = None
     if hints is not None:
