@@ -446,3 +446,37 @@ def test_worker_reports_broken_files_like_the_in_process_parse(tmp_path):
     write_json(f, cluster(2) + [svc("Bad_Name")])
     records, skipped = parse_in_worker(str(f))
     assert len(records) == 5 and [s.name for s in skipped] == ["shop/Bad_Name"]
+
+
+async def test_agent_reload_to_a_missing_manifest_keeps_serving_and_loads_it_later(tmp_path):
+    """issue 9: a reload to a manifest path that does not exist ended the source task and
+    later manifest edits were never loaded."""
+    from clusterdns.agent import Agent
+    from tests.test_agent import A_NAME, B_NAME, SlowKernel, _answers, _value, manifest, until
+    manifest(tmp_path / "a.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(f"manifest: [{tmp_path / 'a.json'}]\nmin-sync-period: 0\n")
+    argv = ["agent", "--listen", "127.0.0.1:0", "--no-upstream", "--health-listen", "127.0.0.1:0", "--metrics-listen",
+            "none", "--proxy-metrics-listen", "none", "--lameduck", "0", "--config", str(conf)]
+    agent = Agent(load(argv, env={}), argv=argv, executor=SlowKernel())
+    await agent.start()
+    try:
+        agent.source.interval = 0.05
+        port = agent.dns.bound[0][1]
+        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        waiting = asyncio.ensure_future(agent.wait())
+        conf.write_text(f"manifest: [{tmp_path / 'later.json'}]\nmin-sync-period: 0\n")
+        assert await until(lambda: _value(agent.reloads == 1), timeout=10)
+        agent.source.interval = 0.05
+        assert await until(lambda: _value(bool(agent.source.problems())), timeout=5)
+        assert "later.json" in agent.source.problems()[0]
+        assert "manifest not loaded (see log)" in agent.not_ready()   # what /ready names
+        assert await _answers(port, A_NAME, "10.96.0.5")          # the last state, still served
+        assert not waiting.done()                                  # the agent and its source run on
+        manifest(tmp_path / "later.json", {"b": ("10.96.0.6", ["10.0.0.2"])})
+        assert await until(lambda: _answers(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=10)
+        assert not agent.source.problems() and not waiting.done()
+        agent.begin_shutdown()
+        assert await asyncio.wait_for(waiting, 10) == 0
+    finally:
+        await agent.stop()
