@@ -397,10 +397,22 @@ class _Collector:
         return self.records, self.skipped
 
 
+def worker_timeout(path: str) -> float:
+    """How long a parse worker may take: 60 s, and 2 s more per MB (~20x the usual)."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    return 60.0 + 2.0 * size / 1e6
+
+
 def parse_in_worker(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """parse_file in a child process, blocking (a command's first load)."""
     try:
-        proc = subprocess.run(_worker_cmd(path, limits), capture_output=True, env=_worker_env(), check=False)
+        proc = subprocess.run(_worker_cmd(path, limits), capture_output=True, env=_worker_env(), check=False,
+                              timeout=worker_timeout(path))
+    except subprocess.TimeoutExpired:
+        raise ManifestError(path, None, f"parsing took longer than {worker_timeout(path):.0f} s") from None
     except OSError as exc:
         raise ManifestError(path, None, f"cannot start the parse worker: {exc}", transient=True) from None
     got = _Collector(path)
@@ -427,7 +439,8 @@ async def parse_in_worker_async(path: str, limits: Limits = DEFAULT_LIMITS,
     assert proc.stdout is not None and proc.stderr is not None
     stdout = proc.stdout
     errs = asyncio.ensure_future(proc.stderr.read())
-    try:
+
+    async def frames() -> int:
         while True:
             try:
                 head = await stdout.readexactly(_FRAME.size)
@@ -438,7 +451,14 @@ async def parse_in_worker_async(path: str, limits: Limits = DEFAULT_LIMITS,
             with gc_paused():
                 got.take(pickle.loads(body))
             await asyncio.sleep(0)   # let queries in between frames
-        rc = await proc.wait()
+        return await proc.wait()
+
+    try:
+        try:
+            rc = await asyncio.wait_for(frames(), worker_timeout(path))
+        except asyncio.TimeoutError:
+            # content no parser should take this long on: not retried until the file changes
+            raise ManifestError(path, None, f"parsing took longer than {worker_timeout(path):.0f} s") from None
         return got.result(rc, await errs)
     finally:
         if proc.returncode is None:
