@@ -257,6 +257,17 @@ def _probe(name: str, want: str, timeout: float = 0.2) -> str:
     return "ok" if got == [want] else "wrong"
 
 
+def _prober(name: str, want: str, stop, queue) -> None:
+    """A probe every 20 ms (200 ms timeout) until `stop`; (monotonic time, outcome) pairs to `queue`."""
+    results = []
+    nxt = time.monotonic()
+    while not stop.is_set():
+        results.append((time.monotonic(), _probe(name, want)))
+        nxt += 0.02
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    queue.put(results)
+
+
 def inner_restart(args) -> dict:
     """Cold start to the first right answer, then SIGTERM + an immediate second agent
     with a DNS probe every 20 ms (200 ms timeout) throughout."""
@@ -295,16 +306,13 @@ def inner_restart(args) -> dict:
         cold_ready = time.monotonic() - t0
         time.sleep(1.0)
 
-        results: list[tuple[float, str]] = []
-        stop = threading.Event()
-
-        def prober() -> None:
-            nxt = time.monotonic()
-            while not stop.is_set():
-                results.append((time.monotonic(), _probe(name, want)))
-                nxt += 0.02
-                time.sleep(max(0.0, nxt - time.monotonic()))
-        th = threading.Thread(target=prober, daemon=True)
+        # The prober is a process of its own: in this one the fake API server's thread holds
+        # the GIL while it serves the second agent's list, which would delay the probes.
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        stop = ctx.Event()
+        queue = ctx.Queue()
+        th = ctx.Process(target=_prober, args=(name, want, stop, queue), daemon=True)
         th.start()
         time.sleep(1.0)
         t_term = time.monotonic()
@@ -324,11 +332,14 @@ def inner_restart(args) -> dict:
             old_exit = time.monotonic() - t_term
         time.sleep(2.0)
         stop.set()
-        th.join()
+        results = queue.get(timeout=60)
+        th.join(10)
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:
                 p.terminate()
+                time.sleep(0.3)
+                p.terminate()      # a second signal ends the lameduck at once
                 p.wait(30)
         api.close()
     during = [(t, r) for t, r in results if t >= t_term]
@@ -343,7 +354,8 @@ def inner_restart(args) -> dict:
     return {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
             "cold_first_answer_s": round(cold_answer, 2), "cold_ready_s": round(cold_ready, 2),
             "probes": len(during), "failures": len(failures), "failure_kinds": kinds,
-            "first_failures": failures[:10], "restart_ready_s": round(restart_ready, 2),
+            "first_failures": failures[:10], "last_failure_s": failures[-1][0] if failures else None,
+            "restart_ready_s": round(restart_ready, 2),
             "old_exit_s": round(old_exit, 2), "adoption": adopted}
 
 
@@ -394,7 +406,8 @@ def main() -> int:
             print(f"{r['services']:>8} {r['endpoints']:>4} {r['mode']:>8} {r['cold_first_answer_s']:>10.2f}s "
                   f"{r['cold_ready_s']:>9.2f}s {r['probes']:>6} {r['failures']:>6} {r['restart_ready_s']:>12.2f}s "
                   f"{r['old_exit_s']:>7.2f}s")
-            print(f"  failures by kind: {r['failure_kinds']}; first: {r['first_failures']}")
+            print(f"  failures by kind: {r['failure_kinds']}; first: {r['first_failures']}; "
+                  f"last at {r['last_failure_s']}s after SIGTERM")
             print(f"  second agent: {r['adoption']}")
         return 0
     print(f"{'services':>8} {'mode':>8} {'changes':>7} {'DNS med':>8} {'DNS p99':>8} {'rules med':>9} "

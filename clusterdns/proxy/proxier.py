@@ -223,8 +223,9 @@ class NftablesBackend:
         if changed is None:
             # Full: recreate the table at start and after any trouble; otherwise
             # flush and refill it in place (affinity sets keep their entries).
-            rs = nftables.render(state, self.cfg, self.family, previous=self.previous,
-                                 resync=self.previous is not None, cache=self.cache)
+            # (in a worker thread: seconds at scale, while the event loop answers DNS)
+            rs = await asyncio.to_thread(nftables.render, state, self.cfg, self.family, previous=self.previous,
+                                         resync=self.previous is not None, cache=self.cache)
         else:
             rs = nftables.render(state, self.cfg, self.family, previous=self.previous, changed=changed,
                                  cache=self.cache)
