@@ -457,9 +457,10 @@ class Engine:
             bodies = _rotated(first) if not ans.authority and not ans.additional else None
             if bodies is None:
                 bodies = [first]
-                if isinstance(answer, list):
-                    bodies = [pack_body(lower, v, ans.authority, ans.additional, zone_len=zl)
-                              for v in rotations(answer)]
+                variants = rotations(answer) if isinstance(answer, list) else []
+                if len(variants) > 1:      # the first variant is the answer as packed already
+                    bodies += [pack_body(lower, v, ans.authority, ans.additional, zone_len=zl)
+                               for v in variants[1:]]
         return Entry(flags, bodies, ans.cacheable, ans.dep, None)
 
     def _nx_memoisable(self, labels: Labels, view: ZoneView) -> bool:
