@@ -127,3 +127,44 @@ def test_one_slice_change_recompiles_only_its_service():
     recompiled = {k for k in before.services if after.services[k] is not before.services[k]}
     assert recompiled == {sl.service_key}
     assert snapshot(after) == snapshot(ZoneView(cfg, store.current))
+
+
+@pytest.mark.parametrize("qname,qtype", [
+    ("hl.ns.svc.cluster.local", "A"), ("hl.ns.svc.cluster.local", "AAAA"), ("hl.ns.svc.cluster.local", "SRV"),
+    ("_http._tcp.hl.ns.svc.cluster.local", "SRV"), ("_http._tcp.hl.ns.svc.cluster.local", "A"),
+    ("_dns._udp.hl.ns.svc.cluster.local", "SRV"), ("_nope._tcp.hl.ns.svc.cluster.local", "SRV"),
+    ("ep-7.hl.ns.svc.cluster.local", "SRV"), ("ports.ns.svc.cluster.local", "SRV"),
+    ("_p3._tcp.ports.ns.svc.cluster.local", "SRV")])
+def test_big_services_answer_what_small_ones_do(monkeypatch, qname, qtype):
+    """A big Service's records are made lazily; packed, they are the records the eager
+    path makes (same order, weights, glue), for every kind of name."""
+    from dnslib import QTYPE
+
+    from clusterdns.dns import names, zone
+    from clusterdns.dns.wire import pack_body
+    from clusterdns.model import EndpointPort
+    eps = tuple(Endpoint((f"10.7.{i // 200}.{i % 200 + 1}",), hostname=f"ep-{i}" if i % 3 else "")
+                for i in range(250))
+    records = [
+        ("Namespace", Namespace("ns")),
+        ("Service", Service("ns", "hl", headless=True)),
+        ("EndpointSlice", EndpointSlice("ns", "hl-1", "hl", endpoints=eps[:200], ports=(
+            EndpointPort("http", "TCP", 8080), EndpointPort("dns", "UDP", 53)))),
+        ("EndpointSlice", EndpointSlice("ns", "hl-2", "hl", endpoints=eps[150:])),        # no ports, overlaps
+        ("Service", Service("ns", "ports", cluster_ips=("10.0.0.9", "fd00::9"),
+                            ports=tuple(ServicePort(f"p{i}", "TCP", 1000 + i) for i in range(300)))),
+    ]
+    store = StateStore()
+    publish(store, records)
+    labels = names.split_name(qname)
+    raw = tuple(x.encode() for x in labels)
+    out = []
+    lazy_above = zone.BIG
+    for big in (lazy_above, 10_000):
+        monkeypatch.setattr(zone, "BIG", big)
+        view = ZoneView(Config(), store.current)
+        assert view.services[("ns", "hl")].big == (big == lazy_above)
+        ans = view.lookup(labels, getattr(QTYPE, qtype))
+        body = pack_body(raw, ans.answer, ans.authority, ans.additional, zone_len=2)
+        out.append((ans.rcode, body.data, body.an, body.ns, body.ar))
+    assert out[0] == out[1]
