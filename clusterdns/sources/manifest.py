@@ -295,10 +295,15 @@ def load_files(paths: Iterable[str], limits: Limits = DEFAULT_LIMITS) -> tuple[l
     """Load files at once (one-shot commands); raises ManifestError on the first broken file."""
     records: list[tuple[str, Any]] = []
     skipped: list[Skipped] = []
+    files = []
     for path in paths:
         r, s = parse_file(path, limits)
+        files.append((path, r))
         records += r
         skipped += s
+    with gc_paused():
+        for line in duplicates(files):
+            log.warning("%s", line)
     return records, skipped
 
 

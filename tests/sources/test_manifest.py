@@ -480,3 +480,11 @@ async def test_agent_reload_to_a_missing_manifest_keeps_serving_and_loads_it_lat
         assert await asyncio.wait_for(waiting, 10) == 0
     finally:
         await agent.stop()
+
+
+def test_one_shot_load_warns_about_duplicates_too(tmp_path, caplog):
+    a = tmp_path / "a.json"
+    write_json(a, cluster(2) + [svc("svc-0", ip="10.96.9.9")])
+    with caplog.at_level(logging.WARNING):
+        records, _ = load_files([str(a)])
+    assert "Service shop/svc-0 is also given in" in caplog.text
