@@ -565,26 +565,28 @@ def nftables_path(state: ClusterState, cfg: Config, svc, family: int, mode: str)
 def _nft_port(nft, table, objs, info, cat) -> dict:
     """One service port's part of the Service's nftables objects (read from them, not from text)."""
     from .proxy import names
+    from .proxy.nftobj import Addr, FibLocal, Lookup, Verdict
     fam = "ip6" if table.family == 6 else "ip"
     base = info.nft_base
     svc_chain, local_chain = names.nft_service_chain(base), names.nft_local_chain(base)
     ours = {svc_chain, local_chain, names.nft_external_chain(base), names.nft_firewall_chain(base)}
     by_endpoint = {ep.endpoint: ep for ep in cat.reachable}
     if info.affinity_timeout:
-        ep_chain = {names.nft_endpoint_chain(info.nft_endpoint_base(ep)): ep for ep in cat.reachable}
-        ours |= set(ep_chain)
+        ours |= {names.nft_endpoint_chain(info.nft_endpoint_base(ep)) for ep in cat.reachable}
     addresses = {info.cluster_ip, *info.external_ips, *info.lb_ips}
-    mine = (f" . {info.protocol} . {info.port_number}", f"{info.protocol} . {info.node_port}")
+    service_key = (info.protocol, str(info.port_number))
+    node_key = (info.protocol, str(info.node_port))
     entry = []
-    for set_name, key, text in objs.elements:
-        targets_ours = text.rsplit(" ", 1)[-1] in ours
-        keyed_ours = (key.endswith(mine[0]) and key.split(" . ")[0] in addresses) or \
-            (bool(info.node_port) and key == mine[1])
-        if set_name.startswith(nft.ENDPOINTS_PREFIX) or set_name == nft.HAIRPIN:
+    for set_name, _, stored in objs.elements:
+        elem = nft.element_of(stored)
+        if set_name.startswith(nft.ENDPOINTS_PREFIX) or set_name == nft.HAIRPIN or elem.interval:
             continue
+        targets_ours = isinstance(elem.value, Verdict) and elem.value.chain in ours
+        keyed_ours = (len(elem.key) == 3 and elem.key[0] in addresses and tuple(elem.key[1:]) == service_key) or \
+            (bool(info.node_port) and tuple(elem.key) == node_key)
         if targets_ours or (keyed_ours and set_name.startswith("no-endpoint")):
-            entry.append(f"add element {fam} {names.NFT_TABLE} {set_name} {{ {text} }}")
-    chains = {c: list(rules) for c, rules in objs.chains.items() if c in ours}
+            entry.append(f"add element {fam} {names.NFT_TABLE} {set_name} {{ {elem.text()} }}")
+    rules = {c: rs for c, rs in objs.chains.items() if c in ours}
     head = (info.namespace, info.service_name, info.port_name, info.protocol)
     slots = dict(zip(objs.slot_keys, objs.slots))
     dispatch = []
@@ -594,13 +596,12 @@ def _nft_port(nft, table, objs, info, cat) -> dict:
             bucket, index = slot
             map_name = nft.endpoints_map(bucket)
             lo_slot, hi_slot = index * nft.SLOT, (index + 1) * nft.SLOT - 1
-            for set_name, key, text in objs.elements:
-                if set_name != map_name:
+            for set_name, key, stored in objs.elements:
+                elem = nft.element_of(stored)
+                if set_name != map_name or not lo_slot <= elem.key[0] <= hi_slot:
                     continue
-                lo, hi = (int(x) for x in key.split("-"))
-                if not lo_slot <= lo <= hi_slot:
-                    continue
-                ip, _, port = text.split(" : ", 1)[1].partition(" . ")
+                lo, hi = elem.key
+                ip, port = elem.value.ip, elem.value.port
                 endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
                 ep = by_endpoint.get(endpoint)
                 dispatch.append({"chain": chain, "target": f"@{map_name} {key}",
@@ -608,7 +609,7 @@ def _nft_port(nft, table, objs, info, cat) -> dict:
                                  "probability_text": f"{hi - lo + 1}/{nft.SLOT}",
                                  "endpoint": endpoint, "node": ep.node_name if ep else None,
                                  "zone": ep.zone if ep else None, "ready": ep.ready if ep else None})
-        elif info.affinity_timeout and chain in chains:
+        elif info.affinity_timeout and chain in rules:
             endpoints = cat.local if policy == nft.LOCAL else cat.cluster
             for ep in endpoints:
                 dispatch.append({"chain": chain, "target": names.nft_endpoint_chain(info.nft_endpoint_base(ep)),
@@ -617,28 +618,30 @@ def _nft_port(nft, table, objs, info, cat) -> dict:
                                  "node": ep.node_name, "zone": ep.zone, "ready": ep.ready})
         if dispatch:
             break
-    masq = [{"chain": c, "when": _nft_masq_reason(r), "rule": r}
-            for c, rs in chains.items() for r in rs if "mark-for-masquerade" in r]
-    hairpin = [r for r in table.chains.get(nft.MASQUERADING, ()) if f"@{nft.HAIRPIN}" in r]
+
+    def reason(r) -> str:
+        for st in r.stmts:
+            if isinstance(st, Addr) and st.field == "saddr" and st.neg:
+                return f"source outside the cluster CIDR {st.value}"
+            if isinstance(st, FibLocal) and st.field == "saddr":
+                return "traffic from the node itself"
+        return "always"
+
+    masq = [{"chain": c, "when": reason(r), "rule": r.text()}
+            for c, rs in rules.items() for r in rs if nft.MARK_MASQ in r.targets()]
+    hairpin = [r for r in table.chains.get(nft.MASQUERADING, ())
+               if any(isinstance(st, Lookup) and st.set == nft.HAIRPIN for st in r.stmts)]
     if hairpin and cat.reachable:
-        masq.append({"chain": nft.MASQUERADING, "rule": hairpin[0],
+        masq.append({"chain": nft.MASQUERADING, "rule": hairpin[0].text(),
                      "when": "hairpin: an endpoint reaching itself through the Service (the @hairpin set)"})
     return {"port": info.name, "protocol": info.protocol, "cluster_ip": info.cluster_ip,
             "port_number": info.port_number, "node_port": info.node_port or None,
             "entry": entry, "filter": [],
-            "chains": [{"table": names.NFT_TABLE, "name": c, "rules": rs} for c, rs in chains.items()],
+            "chains": [{"table": names.NFT_TABLE, "name": c, "rules": [r.text() for r in rs]}
+                       for c, rs in rules.items()],
             "dispatch": dispatch, "masquerade": masq,
             "endpoints_total": len(cat.all), "endpoints_used": len(cat.reachable),
             "has_endpoints": cat.has_endpoints}
-
-
-def _nft_masq_reason(rule: str) -> str:
-    words = rule.split()
-    if "!=" in words and words[words.index("!=") - 1] == "saddr":
-        return f"source outside the cluster CIDR {words[words.index('!=') + 1]}"
-    if "fib saddr type local" in rule:
-        return "traffic from the node itself"
-    return "always"
 
 
 # ---------------------------------------------------------------- text output

@@ -131,7 +131,7 @@ async def bench_nftables(ns, cfg, before, after, key, runs, backend=None):
         # What the proxier does on a partial sync: only the changed Service is
         # rendered, and the transaction goes in over netlink when it can.
         rs, cpu, _ = timed(nftables.render, state, cfg, 4, previous=prev, changed={key})
-        paths.add(await exe.apply_small(rs.text))
+        paths.add(await exe.apply_small(rs.text, rs.ops))
         r["change_e2e"].append(time.perf_counter() - w0)
         r["render_change_cpu"].append(cpu)
         prev = rs.state

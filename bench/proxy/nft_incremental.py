@@ -56,7 +56,7 @@ def timed(ns: str, store: StateStore, previous, runs: int, offset: int, via_netl
         rs = nftables.render(state, CFG, previous=previous, changed={key})
         t1 = time.perf_counter()
         if via_netlink:
-            nflink.apply(rs.text, 4, netns=ns)
+            nflink.apply(rs.ops, 4, netns=ns)
         else:
             nft(ns, rs.text)
         t2 = time.perf_counter()

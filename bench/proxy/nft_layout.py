@@ -104,7 +104,7 @@ def main() -> int:
             t0 = time.perf_counter()
             rs = nftables.render(store.current, CFG, previous=previous, changed={sl.service_key}, cache=cache)
             t1 = time.perf_counter()
-            nflink.apply(rs.text, 4, netns=ns)
+            nflink.apply(rs.ops, 4, netns=ns)
             t2 = time.perf_counter()
             totals.append(t2 - t0)
             applies.append(t2 - t1)
@@ -132,9 +132,9 @@ def main() -> int:
                                                         (EndpointPort("http", "TCP", 8080),)))
             t0 = time.perf_counter()
             rs = nftables.render(store.current, CFG, previous=previous, changed={("bench", name)}, cache=cache)
-            if not nflink.supported(rs.text):
+            if not nflink.supported(rs.ops):
                 raise SystemExit("a new Service's transaction is not one netlink encodes:\n" + rs.text)
-            nflink.apply(rs.text, 4, netns=ns)
+            nflink.apply(rs.ops, 4, netns=ns)
             new_totals.append(time.perf_counter() - t0)
             previous = rs.state
         print(f"new Service ({args.endpoints} endpoints), render+apply: {med(new_totals)}")

@@ -223,16 +223,17 @@ class NftExecutor:
             return p[3]
         return False
 
-    async def apply_small(self, text: str) -> str:
-        """An incremental transaction: over nfnetlink when every statement is one
-        proxy/nflink encodes (nft 1.0.6 loads the whole ruleset before any
-        `nft -f`, seconds at 10,000 Services), else `nft -f`. Returns the path used."""
+    async def apply_small(self, text: str, ops=()) -> str:
+        """An incremental transaction: over nfnetlink when every operation (`ops`, the
+        nftobj.Op the text was encoded from) is one proxy/nflink encodes (nft 1.0.6
+        loads the whole ruleset before any `nft -f`, seconds at 10,000 Services),
+        else `nft -f` of the text. Returns the path used."""
         netns = self.netlink_netns
-        if netns is not False:
+        if ops and netns is not False and netns is not True:
             from . import nflink
-            if nflink.supported(text):
+            if nflink.supported(ops, self.family):
                 try:
-                    await asyncio.to_thread(nflink.apply, text, self.family, netns=netns)
+                    await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns)
                     return "netlink"
                 except nflink.Unsupported:
                     pass

@@ -6,22 +6,43 @@ five-line transaction. The kernel work of such a transaction is tiny, so the
 proxier's incremental syncs encode their statements here and send them as one
 nfnetlink batch (NFNL_MSG_BATCH_BEGIN ... END: atomic, as `nft -f`).
 
-Only the statement forms `nftables.render` writes for Services are known
-(chains, rules, map/set elements); `supported(text)` says whether every line
-of a transaction is one of them, and callers fall back to `nft -f` otherwise.
-Expressions are encoded the way nft 1.0.6 encodes the same text (checked with
-`nft --debug=netlink`), so `nft list` shows the rules as if nft had added them.
+The input is the renderer's operations (`nftobj.Op`: typed chains, rules,
+sets and elements), the same objects the `nft -f` text is encoded from;
+nothing is parsed back from text. Only the forms `nftables.render` writes for
+Services are known (chains, their rules, map/set elements, affinity sets,
+endpoint maps); `supported(ops)` says whether every operation is one of them,
+and callers fall back to `nft -f` otherwise. Expressions are encoded the way
+nft 1.0.6 encodes the same text (checked with `nft --debug=netlink`), so
+`nft list` shows the rules as if nft had added them.
 """
 from __future__ import annotations
 
 import ctypes
 import ipaddress
 import os
-import re
 import socket
 import struct
 import threading
 from dataclasses import dataclass
+
+from .nftobj import (
+    Addr,
+    AddrIn,
+    DnatMap,
+    DnatTo,
+    Dport,
+    Element,
+    Endpoint,
+    FibLocal,
+    L4proto,
+    Lookup,
+    NumgenVmap,
+    Op,
+    Rule,
+    SetDecl,
+    Update,
+    Verdict,
+)
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
@@ -102,10 +123,28 @@ _ENDPOINTS_UDATA_HEAD = {
        "14000407000000010c00040d0000000104090000000114000407000000010c",
 }
 _PROTO_DESC = {"tcp": 0x08, "udp": 0x06, "sctp": 0x0a}   # nft's protocol description numbers
-_ENDPOINTS_DECL = re.compile(r"^\{ typeof numgen random mod 65536 : (ip6?) daddr \. (tcp|udp|sctp) dport ; "
-                             r"flags interval ; \}$")
-_ENDPOINTS_NAME = re.compile(r"^endpoints-(tcp|udp|sctp)-\d+$")
-_RANGE = re.compile(r"^(\d+)-(\d+)$")
+
+
+class _EndpointsName:
+    """Endpoint map names: endpoints-<protocol>-<number>."""
+
+    @staticmethod
+    def match(name: str) -> "_NameMatch | None":
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == "endpoints" and parts[1] in PROTOS and parts[2].isdigit():
+            return _NameMatch(parts[1])
+        return None
+
+
+class _NameMatch:
+    def __init__(self, proto: str) -> None:
+        self.proto = proto
+
+    def group(self, _: int) -> str:
+        return self.proto
+
+
+_ENDPOINTS_NAME = _EndpointsName()
 
 
 def _endpoints_udata(family: int, proto: str) -> bytes:
@@ -210,16 +249,7 @@ class _Batch:
         self.msgs.append(_Msg(kind, flags, body, line))
 
 
-_NAME = r"[A-Za-z0-9_./:\-]+"
-_HEAD = re.compile(rf"^(add|flush|delete) (chain|rule|element|set|map) (ip6?) {TABLE} ({_NAME})(?: (.*))?$")
-_AFFINITY_DECL = re.compile(r"^\{ type (ipv4_addr|ipv6_addr) ; flags dynamic,timeout ; timeout (\d+)s ; \}$")
 AFFINITY_PREFIX = "affinity-"
-_ELEMENT = re.compile(r'^\{ (?P<key>[^{}"]+?)(?: comment "(?P<comment>[^"]*)")?(?: : (?P<value>[^{}"]+?))? \}$')
-_COMMENT = re.compile(r'^(?P<rule>.*?) comment "(?P<comment>[^"]*)"$')
-
-
-def _family_of(word: str) -> int:
-    return 6 if word == "ip6" else 4
 
 
 def _addr(text: str, family: int) -> bytes:
@@ -238,37 +268,11 @@ def _proto(text: str) -> int:
     return PROTOS[text]
 
 
-def _port(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise Unsupported(f"port {text}")
-    return int(text)
-
-
-def _element_key(set_name: str, key: str, family: int) -> bytes:
-    fields, _ = SETS[set_name]
-    parts = key.split(" . ")
-    if len(parts) != len(fields):
-        raise Unsupported(f"key {key!r} does not fit {set_name}")
-    out = b""
-    for kind, text in zip(fields, parts):
-        if kind == "addr":
-            out += _addr(text, family)
-        elif kind == "proto":
-            out += struct.pack("=I", _proto(text))[:1] + b"\0\0\0"
-        else:
-            out += struct.pack(">H", _port(text)) + b"\0\0"
-    return out
-
-
-def _verdict_of(text: str) -> tuple[int, str | None]:
-    words = text.split()
-    if words == ["drop"]:
-        return NF_DROP, None
-    if words == ["accept"]:
-        return NF_ACCEPT, None
-    if len(words) == 2 and words[0] in ("goto", "jump") and re.fullmatch(_NAME, words[1]):
-        return (NFT_GOTO if words[0] == "goto" else NFT_JUMP), words[1]
-    raise Unsupported(f"verdict {text!r}")
+def _port(value: str | int) -> int:
+    port = value if isinstance(value, int) else int(value) if str(value).isdigit() else -1
+    if not 0 < port < 65536:
+        raise Unsupported(f"port {value}")
+    return port
 
 
 def _addr_match(field: str, neg: bool, text: str, family: int) -> bytes:
@@ -292,131 +296,93 @@ def _addr_match(field: str, neg: bool, text: str, family: int) -> bytes:
     return _payload(NFT_PAYLOAD_NETWORK, offset, size) + bitwise + _cmp(op, net.network_address.packed)
 
 
-def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
-    comment = None
-    m = _COMMENT.match(text)
-    if m:
-        text, comment = m.group("rule"), m.group("comment")
-    if '"' in text:
-        raise Unsupported("quotes outside a trailing comment")
-    words = text.split()
+def _element_of(t: tuple) -> Element:
+    key, value, comment, interval, spelled = t
+    if value is not None and type(value) is tuple:
+        value = Endpoint(*value) if interval else Verdict(*value)
+    return Element(key, value, comment, interval, spelled)
+
+
+_VERDICTS = {"drop": NF_DROP, "accept": NF_ACCEPT, "jump": NFT_JUMP, "goto": NFT_GOTO}
+
+
+def _verdict_code(v: Verdict) -> tuple[int, str | None]:
+    if v.kind not in _VERDICTS or (v.kind in ("jump", "goto")) != bool(v.chain):
+        raise Unsupported(f"verdict {v.text()!r}")
+    return _VERDICTS[v.kind], (v.chain or None)
+
+
+def _rule(batch: _Batch, family: int, chain: str, r: Rule, line: int) -> None:
+    """One rule of a Service's chains, expression by expression as nft 1.0.6 encodes it."""
     exprs: list[bytes] = []
     ipword = "ip6" if family == 6 else "ip"
-    l4: int | None = None
-    i = 0
+    saddr = (NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, 4 if family == 4 else 16)
     last_was_addr = False
-    while i < len(words):
-        w = words[i]
-        rest = words[i:]
-        if w in ("ip", "ip6"):
-            if w != ipword or len(rest) < 3 or rest[1] not in ("saddr", "daddr"):
-                raise Unsupported(f"match {' '.join(rest[:3])}")
-            neg = rest[2] == "!="
-            value = rest[3] if neg and len(rest) > 3 else rest[2]
-            if value.startswith("@" + AFFINITY_PREFIX) and not neg and rest[1] == "saddr":
-                # `ip saddr @affinity-X`: a client already pinned to this endpoint
-                exprs.append(_payload(NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, 4 if family == 4 else 16))
-                exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _str(1, value[1:]), *_set_ref(batch, value[1:], 4)))
-                i += 3
-                last_was_addr = False
-                continue
-            if value == "{" and neg and rest[1] == "saddr" and "}" in rest:
-                # `ip saddr != { CIDR, ... }`: LoadBalancerSourceRanges
-                close = rest.index("}")
-                exprs.append(_saddr_not_in(batch, family, " ".join(rest[4:close])))
-                i += close + 1
-                continue
-            if value.startswith(("@", "{")) or value == "!=":
-                raise Unsupported(f"set match {value}")
+    for st in r.stmts:
+        kind = type(st)
+        if kind is Addr:
+            if st.ipx != ipword:
+                raise Unsupported(f"match {st.text()} in an IPv{family} table")
             if last_was_addr:
                 raise Unsupported("adjacent address matches (nft merges them)")
-            exprs.append(_addr_match(rest[1], neg, value, family))
-            i += 4 if neg else 3
+            exprs.append(_addr_match(st.field, st.neg, st.value, family))
             last_was_addr = True
             continue
         last_was_addr = False
-        if w in PROTOS and len(rest) >= 3 and rest[1] == "dport":
-            proto = _proto(w)
-            exprs.append(_l4proto(proto))
-            exprs.append(_payload(NFT_PAYLOAD_TRANSPORT, 2, 2) + _cmp(NFT_CMP_EQ, struct.pack(">H", _port(rest[2]))))
-            i += 3
-        elif w == "meta" and len(rest) >= 3 and rest[1] == "l4proto":
-            l4 = _proto(rest[2])
-            exprs.append(_l4proto(l4))
-            i += 3
-            if i < len(words) and words[i] == "dnat":
-                continue
-            l4 = None
-        elif w == "dnat" and rest[1:5] == ["to", "numgen", "random", "mod"]:
+        if kind is AddrIn:
+            # `ip saddr != { CIDR, ... }`: LoadBalancerSourceRanges
+            if st.ipx != ipword or st.field != "saddr" or not st.neg:
+                raise Unsupported(f"set match {st.text()}")
+            exprs.append(_saddr_not_in(batch, family, st.items))
+        elif kind is Dport:
+            exprs.append(_l4proto(_proto(st.proto)))
+            exprs.append(_payload(NFT_PAYLOAD_TRANSPORT, 2, 2) + _cmp(NFT_CMP_EQ, struct.pack(">H", _port(st.port))))
+        elif kind is L4proto:
+            exprs.append(_l4proto(_proto(st.proto)))
+        elif kind is DnatTo:
+            exprs.append(_l4proto(_proto(st.proto)))
+            exprs.append(_expr("immediate", _u32(1, NFT_REG_1), _value(2, _addr(st.ip, family))))
+            exprs.append(_expr("immediate", _u32(1, NFT_REG_2), _value(2, struct.pack(">H", _port(st.port)))))
+            exprs.append(_expr("nat", _u32(1, NFT_NAT_DNAT), _u32(2, _nfproto(family)),
+                               _u32(3, NFT_REG_1), _u32(5, NFT_REG_2), _u32(7, NF_NAT_RANGE_PROTO_SPECIFIED)))
+        elif kind is DnatMap:
             # `dnat to numgen random mod 65536 [offset O] map @endpoints-P-N`
-            if l4 is None:
-                raise Unsupported("dnat without a protocol match before it")
-            tail = rest[5:]
-            offset = 0
-            if len(tail) == 5 and tail[1] == "offset" and tail[2].isdigit():
-                offset = int(tail[2])
-                tail = tail[:1] + tail[3:]
-            if len(tail) != 3 or tail[0] != str(SLOT) or tail[1] != "map" or not tail[2].startswith("@") \
-                    or not _ENDPOINTS_NAME.match(tail[2][1:]) or offset % SLOT or str(offset) != str(int(offset)):
-                raise Unsupported(f"dnat {' '.join(rest[1:])}")
-            name = tail[2][1:]
-            if name.split("-")[1] != {v: k for k, v in PROTOS.items()}[l4]:
-                raise Unsupported("endpoint map of another protocol")
-            exprs.append(_expr("numgen", _u32(1, NFT_REG_1), _u32(2, SLOT), _u32(3, NFT_NG_RANDOM), _u32(4, offset)))
+            em = _ENDPOINTS_NAME.match(st.map)
+            if not em or st.modulus != SLOT or st.offset % SLOT or not 0 <= st.offset < 1 << 32 \
+                    or em.group(1) != st.proto:
+                raise Unsupported(f"dnat {st.text()}")
+            exprs.append(_l4proto(_proto(st.proto)))
+            exprs.append(_expr("numgen", _u32(1, NFT_REG_1), _u32(2, SLOT), _u32(3, NFT_NG_RANDOM),
+                               _u32(4, st.offset)))
             exprs.append(_expr("byteorder", _u32(1, NFT_REG_1), _u32(2, NFT_REG_1), _u32(3, NFT_BYTEORDER_HTON),
                                _u32(4, 4), _u32(5, 4)))
-            exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _u32(3, NFT_REG_1), _str(1, name),
-                               *_set_ref(batch, name, 4)))
-            exprs.append(_expr("nat", _u32(1, NFT_NAT_DNAT), _u32(2, NFPROTO_IPV6 if family == 6 else NFPROTO_IPV4),
+            exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _u32(3, NFT_REG_1), _str(1, st.map),
+                               *_set_ref(batch, st.map, 4)))
+            exprs.append(_expr("nat", _u32(1, NFT_NAT_DNAT), _u32(2, _nfproto(family)),
                                _u32(3, NFT_REG_1), _u32(5, NFT_REG_2 if family == 6 else NFT_REG32_01)))
-            i = len(words)
-        elif w == "dnat":
-            if l4 is None or len(rest) != 3 or rest[1] != "to":
-                raise Unsupported("dnat without a protocol match before it")
-            m = re.fullmatch(r"\[?([0-9a-fA-F.:]+?)\]?:(\d+)", rest[2])
-            if not m or (family == 6) != rest[2].startswith("["):
-                raise Unsupported(f"dnat target {rest[2]}")
-            exprs.append(_expr("immediate", _u32(1, NFT_REG_1), _value(2, _addr(m.group(1), family))))
-            exprs.append(_expr("immediate", _u32(1, NFT_REG_2), _value(2, struct.pack(">H", _port(m.group(2))))))
-            exprs.append(_expr("nat", _u32(1, NFT_NAT_DNAT), _u32(2, NFPROTO_IPV6 if family == 6 else NFPROTO_IPV4),
-                               _u32(3, NFT_REG_1), _u32(5, NFT_REG_2), _u32(7, NF_NAT_RANGE_PROTO_SPECIFIED)))
-            i += 3
-            if i != len(words):
-                raise Unsupported("statements after dnat")
-        elif rest[:4] == ["fib", "saddr", "type", "local"]:
+        elif kind is FibLocal and st.field == "saddr":
             exprs.append(_expr("fib", _u32(1, NFT_REG_1), _u32(2, NFT_FIB_RESULT_ADDRTYPE), _u32(3, NFTA_FIB_F_SADDR)))
             exprs.append(_cmp(NFT_CMP_EQ, struct.pack("=I", RTN_LOCAL)))
-            i += 4
-        elif w == "update" and len(rest) == 6 and rest[2:] == ["{", ipword, "saddr", "}"] \
-                and rest[1].startswith("@" + AFFINITY_PREFIX):
+        elif kind is Lookup and st.fields == (f"{ipword} saddr",) and st.set.startswith(AFFINITY_PREFIX):
+            # `ip saddr @affinity-X`: a client already pinned to this endpoint
+            exprs.append(_payload(*saddr))
+            exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _str(1, st.set), *_set_ref(batch, st.set, 4)))
+        elif kind is Update and st.ipx == ipword and st.set.startswith(AFFINITY_PREFIX):
             # `update @affinity-X { ip saddr }`: pin the client (the set's own timeout applies)
-            name = rest[1][1:]
-            exprs.append(_payload(NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, 4 if family == 4 else 16))
-            exprs.append(_expr("dynset", _u32(3, NFT_DYNSET_OP_UPDATE), _u32(4, NFT_REG_1), _str(1, name),
-                               *_set_ref(batch, name, 2)))
-            i = len(words)
-        elif w in ("jump", "goto", "drop", "accept"):
-            code, target = _verdict_of(" ".join(rest))
-            exprs.append(_immediate_verdict(code, target))
-            i = len(words)
-        elif rest[:4] == ["numgen", "random", "mod", rest[3] if len(rest) > 3 else ""] and len(rest) > 6 \
-                and rest[4] == "vmap" and rest[5] == "{" and rest[-1] == "}":
-            mod = int(rest[3]) if rest[3].isdigit() else 0
-            entries = " ".join(rest[6:-1]).split(" , ")
-            if not 0 < mod == len(entries):
-                raise Unsupported("numgen map does not cover its modulus")
-            elems = []
-            seen: set[str] = set()
-            for entry in entries:
-                k, sep, v = entry.partition(" : ")
-                if not sep or not k.isdigit() or int(k) >= mod or k in seen or k != str(int(k)):
-                    raise Unsupported(f"vmap entry {entry!r}")
-                seen.add(k)
-                code, target = _verdict_of(v)
-                elems.append(_nest(1, _value(1, struct.pack("=I", int(k))), _verdict(2, code, target)))
+            exprs.append(_payload(*saddr))
+            exprs.append(_expr("dynset", _u32(3, NFT_DYNSET_OP_UPDATE), _u32(4, NFT_REG_1), _str(1, st.set),
+                               *_set_ref(batch, st.set, 2)))
+        elif kind is Verdict:
+            exprs.append(_immediate_verdict(*_verdict_code(st)))
+        elif kind is NumgenVmap:
+            if not st.targets:
+                raise Unsupported("numgen map without entries")
+            mod = len(st.targets)
+            elems = [_nest(1, _value(1, struct.pack("=I", i)), _verdict(2, NFT_GOTO, target))
+                     for i, target in enumerate(st.targets)]
             set_id = batch.next_set_id
             batch.next_set_id += 1
-            fam = NFPROTO_IPV6 if family == 6 else NFPROTO_IPV4
+            fam = _nfproto(family)
             batch.add(NEWSET, NLM_F_CREATE, _fam_hdr(fam) + b"".join((
                 _str(1, TABLE), _str(2, "__map%d"),
                 _u32(3, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_MAP),
@@ -427,28 +393,27 @@ def _rule(batch: _Batch, family: int, chain: str, text: str, line: int) -> None:
             exprs.append(_expr("numgen", _u32(1, NFT_REG_1), _u32(2, mod), _u32(3, NFT_NG_RANDOM), _u32(4, 0)))
             exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _u32(3, NFT_REG_VERDICT), _str(1, "__map%d"),
                                _u32(4, set_id)))
-            i = len(words)
         else:
-            raise Unsupported(f"statement {' '.join(rest[:3])}")
+            raise Unsupported(f"statement {st.text()!r}")
     if not exprs:
         raise Unsupported("empty rule")
     attrs = [_str(1, TABLE), _str(2, chain), _nest(4, *exprs)]
-    if comment is not None:
-        attrs.append(_attr(7, _udata_comment(comment)))
+    if r.comment:
+        attrs.append(_attr(7, _udata_comment(r.comment)))
     batch.add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, _fam_hdr(_nfproto(family)) + b"".join(attrs), line)
 
 
-def _saddr_not_in(batch: _Batch, family: int, items: str) -> bytes:
+def _saddr_not_in(batch: _Batch, family: int, items: tuple[str, ...]) -> bytes:
     """An anonymous constant interval set of networks, and the inverted lookup in it, as nft sends them.
 
     Only disjoint, non-adjacent ranges that neither start at the lowest address nor end
     at the highest: nft merges or encodes the others differently.
     """
     bits = 32 if family == 4 else 128
-    if "," not in items:
-        return _addr_match("saddr", True, items.strip(), family)   # nft drops a one-element set
+    if len(items) == 1:
+        return _addr_match("saddr", True, items[0].strip(), family)   # nft drops a one-element set
     ranges = []
-    for item in items.split(","):
+    for item in items:
         try:
             net = ipaddress.ip_network(item.strip(), strict=True)
         except ValueError:
@@ -498,55 +463,73 @@ def _fam_hdr(nfproto: int, res_id: int = 0) -> bytes:
     return struct.pack("=BBH", nfproto, 0, socket.htons(res_id))
 
 
-def _line(batch: _Batch, text: str, index: int) -> None:
-    m = _HEAD.match(text)
-    if not m:
-        raise Unsupported(f"statement {text[:40]!r}")
-    verb, obj, famword, name, rest = m.groups()
+def _element_key(set_name: str, key: tuple, family: int) -> bytes:
+    fields, _ = SETS[set_name]
+    if len(key) != len(fields):
+        raise Unsupported(f"key {key!r} does not fit {set_name}")
+    out = b""
+    for kind, value in zip(fields, key):
+        if kind == "addr":
+            out += _addr(value, family)
+        elif kind == "proto":
+            out += struct.pack("=I", _proto(value))[:1] + b"\0\0\0"
+        else:
+            out += struct.pack(">H", _port(value)) + b"\0\0"
+    return out
+
+
+def _element(name: str, elem: Element, verb: str, family: int) -> bytes:
+    if type(elem) is not Element:
+        elem = _element_of(elem)      # the plain tuple the table state keeps
+    if _ENDPOINTS_NAME.match(name):
+        # `lo-hi : address . port`: a start element and an interval-end element
+        if not elem.interval or elem.comment:
+            raise Unsupported(f"element {elem.text()!r} of {name}")
+        lo, hi = elem.key
+        if not 0 <= lo <= hi < 0xFFFFFFFF:
+            raise Unsupported(f"range {lo}-{hi}")
+        start = [_value(1, struct.pack(">I", lo))]
+        if verb == "add":
+            if not isinstance(elem.value, Endpoint):
+                raise Unsupported(f"endpoint {elem.value!r}")
+            start.append(_value(2, _addr(elem.value.ip, family) + struct.pack(">H", _port(elem.value.port))
+                                + b"\0\0"))
+        end = [_u32(3, NFT_SET_ELEM_INTERVAL_END), _value(1, struct.pack(">I", hi + 1))]
+        return _nest(1, *start) + _nest(1, *end)
+    if name not in SETS or elem.interval:
+        raise Unsupported(f"element of {name}")
+    out = [_value(1, _element_key(name, elem.key, family))]      # NFTA_SET_ELEM_KEY
+    if verb == "add":
+        _, is_map = SETS[name]
+        if is_map != isinstance(elem.value, Verdict) or (elem.value is not None and not is_map):
+            raise Unsupported(f"element data does not fit {name}")
+        if isinstance(elem.value, Verdict):
+            out.append(_verdict(2, *_verdict_code(elem.value)))  # NFTA_SET_ELEM_DATA
+        if elem.comment:
+            out.append(_attr(6, _udata_comment(elem.comment)))
+    return _nest(1, *out)
+
+
+def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
     batch.current_line = index
-    family = _family_of(famword)
-    if batch.family is None:
-        batch.family = family
-    elif batch.family != family:
-        raise Unsupported("mixed families in one transaction")
     hdr = _fam_hdr(_nfproto(family))
     table = _str(1, TABLE)
-    if obj == "chain":
-        if rest:
-            raise Unsupported("chain declarations (base chains, comments)")
+    verb, kind, name, body = op
+    if kind == "chain":
+        if body is not None:
+            raise Unsupported("chain declarations (base chains)")
         if verb == "add":
             batch.add(NEWCHAIN, NLM_F_CREATE, hdr + table + _str(3, name), index)
         elif verb == "flush":
             batch.add(DELRULE, 0, hdr + table + _str(2, name), index)
         else:
             batch.add(DELCHAIN, 0, hdr + table + _str(3, name), index)
-    elif obj == "map":
-        em = _ENDPOINTS_NAME.match(name)
-        if not em:
-            raise Unsupported(f"{verb} map {name}")
-        if verb == "delete" and not rest:
-            batch.add(DELSET, 0, hdr + table + _str(2, name), index)
-            return
-        dm = _ENDPOINTS_DECL.match(rest or "")
-        if verb != "add" or not dm or (dm.group(1) == "ip6") != (family == 6) or dm.group(2) != em.group(1):
-            raise Unsupported(f"{verb} map {name} {rest}")
-        set_id = batch.next_set_id
-        batch.next_set_id += 1
-        batch.set_ids[name] = set_id
-        v6 = family == 6
-        batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
-            table, _str(2, name), _u32(3, NFT_SET_INTERVAL | NFT_SET_MAP), _u32(4, NFT_TYPE_INTEGER), _u32(5, 4),
-            _u32(6, (NFT_TYPE_IP6ADDR if v6 else NFT_TYPE_IPADDR) << 6 | NFT_TYPE_INET_SERVICE),
-            _u32(7, 20 if v6 else 8), _u32(10, set_id), _attr(13, _endpoints_udata(family, dm.group(2))))), index)
-    elif obj == "set":
-        if not name.startswith(AFFINITY_PREFIX):
-            raise Unsupported(f"{verb} set {name}")
-        if verb == "delete" and not rest:
-            batch.add(DELSET, 0, hdr + table + _str(2, name), index)
-            return
-        m = _AFFINITY_DECL.match(rest or "")
-        if verb != "add" or not m or (m.group(1) == "ipv6_addr") != (family == 6):
-            raise Unsupported(f"{verb} set {name} {rest}")
+    elif kind in ("set", "map") and verb == "delete" and body is None \
+            and (name.startswith(AFFINITY_PREFIX) if kind == "set" else _ENDPOINTS_NAME.match(name)):
+        batch.add(DELSET, 0, hdr + table + _str(2, name), index)
+    elif kind == "set" and verb == "add" and name.startswith(AFFINITY_PREFIX) and isinstance(body, SetDecl) \
+            and body.flags == "dynamic,timeout" and body.timeout and not body.comment \
+            and body.type == ("ipv6_addr" if family == 6 else "ipv4_addr"):
         set_id = batch.next_set_id
         batch.next_set_id += 1
         batch.set_ids[name] = set_id
@@ -554,102 +537,53 @@ def _line(batch: _Batch, text: str, index: int) -> None:
         batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
             table, _str(2, name), _u32(3, NFT_SET_TIMEOUT | NFT_SET_EVAL),
             _u32(4, NFT_TYPE_IP6ADDR if v6 else NFT_TYPE_IPADDR), _u32(5, 16 if v6 else 4),
-            _u32(10, set_id), _attr(11, struct.pack(">Q", int(m.group(2)) * 1000)), _attr(13, _ADDR_SET_UDATA))), index)
-    elif obj == "rule":
-        if verb != "add" or not rest:
-            raise Unsupported(f"{verb} rule")
-        _rule(batch, family, name, rest, index)
-    else:
-        if verb == "flush" or not rest or not (name in SETS or _ENDPOINTS_NAME.match(name)):
-            raise Unsupported(f"{verb} element on {name}")
-        if not (rest.startswith("{ ") and rest.endswith(" }")):
-            raise Unsupported(f"element {rest[:40]!r}")
-        encode = _range_element if _ENDPOINTS_NAME.match(name) else _element
-        items = [encode(name, "{ " + item + " }", verb, family) for item in _split_elements(rest[2:-2])]
+            _u32(10, set_id), _attr(11, struct.pack(">Q", body.timeout * 1000)), _attr(13, _ADDR_SET_UDATA))), index)
+    elif kind == "map" and verb == "add" and isinstance(body, SetDecl) and _ENDPOINTS_NAME.match(name):
+        proto = name.split("-")[1]
+        ipword = "ip6" if family == 6 else "ip"
+        if body != SetDecl("map", typeof=f"numgen random mod {SLOT} : {ipword} daddr . {proto} dport",
+                           flags="interval"):
+            raise Unsupported(f"add map {name} {body.text()}")
+        set_id = batch.next_set_id
+        batch.next_set_id += 1
+        batch.set_ids[name] = set_id
+        v6 = family == 6
+        batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
+            table, _str(2, name), _u32(3, NFT_SET_INTERVAL | NFT_SET_MAP), _u32(4, NFT_TYPE_INTEGER), _u32(5, 4),
+            _u32(6, (NFT_TYPE_IP6ADDR if v6 else NFT_TYPE_IPADDR) << 6 | NFT_TYPE_INET_SERVICE),
+            _u32(7, 20 if v6 else 8), _u32(10, set_id), _attr(13, _endpoints_udata(family, proto)))), index)
+    elif kind == "rule" and verb == "add" and isinstance(body, Rule):
+        _rule(batch, family, name, body, index)
+    elif kind == "element" and verb in ("add", "delete") and body:
+        items = [_element(name, e, verb, family) for e in body]   # type: ignore[attr-defined]
         head = hdr + table + _str(2, name)
-        kind, flags = (NEWSETELEM, NLM_F_CREATE) if verb == "add" else (DELSETELEM, 0)
+        mtype, flags = (NEWSETELEM, NLM_F_CREATE) if verb == "add" else (DELSETELEM, 0)
         # an attribute's length is 16 bits: a long element list goes in several messages
         chunk: list[bytes] = []
         size = 0
         for item in items:
             if chunk and size + len(item) > 60000:
-                batch.add(kind, flags, head + _nest(3, *chunk), index)
+                batch.add(mtype, flags, head + _nest(3, *chunk), index)
                 chunk, size = [], 0
             chunk.append(item)
             size += len(item)
-        batch.add(kind, flags, head + _nest(3, *chunk), index)
+        batch.add(mtype, flags, head + _nest(3, *chunk), index)
+    else:
+        raise Unsupported(f"{verb} {kind} {name}")
 
 
-def _split_elements(body: str) -> list[str]:
-    """The elements of `{ a, b : c, d comment "x" }` (commas inside quotes do not split)."""
-    out, cur, quoted = [], [], False
-    for part in body.split(", "):
-        cur.append(part)
-        quoted ^= part.count('"') % 2 == 1
-        if not quoted:
-            out.append(", ".join(cur))
-            cur = []
-    if cur or not out or not all(out):
-        raise Unsupported(f"element list {body[:40]!r}")
-    return out
-
-
-def _range_element(name: str, text: str, verb: str, family: int) -> bytes:
-    """`lo-hi : address . port` of an endpoint map: a start element and an interval-end element."""
-    em = _ELEMENT.match(text)
-    rm = _RANGE.match(em.group("key")) if em else None
-    if em is None or rm is None or em.group("comment") is not None:
-        raise Unsupported(f"element {text[:40]!r}")
-    lo, hi = int(rm.group(1)), int(rm.group(2))
-    if not lo <= hi < 0xFFFFFFFF:
-        raise Unsupported(f"range {lo}-{hi}")
-    start = [_value(1, struct.pack(">I", lo))]
-    if verb == "add":
-        value = em.group("value")
-        parts = value.split(" . ") if value else []
-        if len(parts) != 2:
-            raise Unsupported(f"endpoint {value!r}")
-        start.append(_value(2, _addr(parts[0], family) + struct.pack(">H", _port(parts[1])) + b"\0\0"))
-    elif em.group("value") is not None:
-        raise Unsupported("delete element with data")
-    end = [_u32(3, NFT_SET_ELEM_INTERVAL_END), _value(1, struct.pack(">I", hi + 1))]
-    return _nest(1, *start) + _nest(1, *end)
-
-
-def _element(name: str, text: str, verb: str, family: int) -> bytes:
-    em = _ELEMENT.match(text)
-    if not em:
-        raise Unsupported(f"element {text[:40]!r}")
-    key = _element_key(name, em.group("key"), family)
-    elem = [_value(1, key)]                                    # NFTA_SET_ELEM_KEY
-    if verb == "add":
-        _, is_map = SETS[name]
-        value = em.group("value")
-        if is_map != (value is not None):
-            raise Unsupported(f"element data does not fit {name}")
-        if value is not None:
-            elem.append(_verdict(2, *_verdict_of(value)))      # NFTA_SET_ELEM_DATA
-        if em.group("comment") is not None:
-            elem.append(_attr(6, _udata_comment(em.group("comment"))))
-    elif em.group("value") is not None or em.group("comment") is not None:
-        raise Unsupported("delete element with data")
-    return _nest(1, *elem)
-
-
-def _parse(text: str) -> tuple[_Batch, list[str]]:
+def _encode(ops, family: int) -> _Batch:
     batch = _Batch()
-    lines = text.splitlines()
-    for index, line in enumerate(lines):
-        line = line.strip()
-        if line:
-            _line(batch, line, index)
-    return batch, lines
+    batch.family = family
+    for index, op in enumerate(ops):
+        _op(batch, family, op, index)
+    return batch
 
 
-def supported(text: str) -> bool:
-    """Whether every line of this nft transaction is a form `apply` encodes itself."""
+def supported(ops, family: int = 4) -> bool:
+    """Whether every operation of this transaction is one `apply` encodes itself."""
     try:
-        _parse(text)
+        _encode(ops, family)
     except Unsupported:
         return False
     return True
@@ -747,21 +681,21 @@ def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
     return _header(16 + len(body), kind, flags, seq) + body
 
 
-def apply(text: str, family: int = 4, *, netns: str | None = None) -> None:
-    """Send the transaction as one nfnetlink batch; NflinkError (nothing applied) on failure.
+def apply(ops, family: int = 4, *, netns: str | None = None) -> None:
+    """Send the operations (nftobj.Op) as one nfnetlink batch; NflinkError (nothing applied) on failure.
 
-    Raises Unsupported (an NflinkError; nothing sent) for a line this module does not encode (check with
-    `supported` first). `netns` names a namespace under /run/netns.
+    Raises Unsupported (an NflinkError; nothing sent) for an operation this module does not encode
+    (check with `supported` first). `netns` names a namespace under /run/netns.
     """
-    batch, lines = _parse(text)
-    if batch.family is not None and batch.family != family:
-        raise Unsupported(f"transaction is IPv{batch.family}, asked for IPv{family}")
+    ops = list(ops)
+    batch = _encode(ops, family)
     if not batch.msgs:
         return
+    t = f"{'ip6' if family == 6 else 'ip'} {TABLE}"
     link = _link(netns)
     with link.lock:
         try:
-            _send(link, batch, lines)
+            _send(link, batch, lambda i: ops[i].text(t))
         except _TransportError:
             _forget(netns, link)     # socket trouble, not a refusal: the next call opens a new one
             raise
@@ -774,7 +708,7 @@ def _forget(netns: str | None, link: _Link) -> None:
     link.close()
 
 
-def _send(link: _Link, batch: _Batch, lines: list[str]) -> None:
+def _send(link: _Link, batch: _Batch, describe) -> None:
     first = link.seq
     by_seq: dict[int, int] = {}
     parts = [_message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first, _fam_hdr(0, NFNL_SUBSYS_NFTABLES))]
@@ -832,8 +766,8 @@ def _send(link: _Link, batch: _Batch, lines: list[str]) -> None:
     if errors:
         rseq, errno = errors[0]
         index = by_seq.get(rseq)
-        line = lines[index].strip() if index is not None else ""
-        where = f" at line {index + 1}: {line}" if index is not None else " (batch)"
+        line = describe(index) if index is not None else ""
+        where = f" at statement {index + 1}: {line}" if index is not None else " (batch)"
         raise NflinkError(f"nftables: {os.strerror(errno)}{where}", errno, line)
 
 

@@ -38,6 +38,32 @@ from typing import Iterable, Mapping
 from ..config import Config
 from ..state import ClusterState
 from . import names as n
+from .nftobj import (
+    Addr,
+    AddrIn,
+    BaseChain,
+    CtState,
+    CtStatus,
+    DnatMap,
+    DnatTo,
+    Dport,
+    Element,
+    Endpoint,
+    FibLocal,
+    Lookup,
+    MarkIsZero,
+    MarkSet,
+    Masquerade,
+    NumgenVmap,
+    Op,
+    Rule,
+    SetDecl,
+    Update,
+    Verdict,
+    Vmap,
+    rule,
+)
+from .nftobj import text as ops_text
 from .servicemap import (
     Categorized,
     NodeInfo,
@@ -119,12 +145,12 @@ class Objects:
     bucket maps, the hairpin pairs): the table holds them while any owner does.
     `slot_keys` are the endpoint-map slots the owner uses.
     """
-    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # chain -> rules, in order
-    chain_decls: Mapping[str, str] = field(default_factory=dict)          # chain -> "{ ... }" or ""
-    sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)     # name -> ("set"|"map", "{ ... }")
-    elements: tuple[tuple[str, str, str], ...] = ()                       # (set, key, element text)
-    shared_sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    shared_elements: tuple[tuple[str, str, str], ...] = ()
+    chains: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)  # chain -> rules, in order
+    chain_decls: Mapping[str, BaseChain | None] = field(default_factory=dict)
+    sets: Mapping[str, SetDecl] = field(default_factory=dict)
+    elements: tuple[tuple[str, str, tuple], ...] = ()                     # (set, key text, element_of-able)
+    shared_sets: Mapping[str, SetDecl] = field(default_factory=dict)
+    shared_elements: tuple[tuple[str, str, tuple], ...] = ()
     slot_keys: tuple[tuple, ...] = ()
     slots: tuple[tuple[int, int], ...] = ()                               # (bucket, slot) of each slot key
 
@@ -142,10 +168,10 @@ class NftState:
     everything.
     """
     family: int = 4
-    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    chain_decls: Mapping[str, str] = field(default_factory=dict)
-    sets: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    elements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # name -> key -> element text
+    chains: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)
+    chain_decls: Mapping[str, BaseChain | None] = field(default_factory=dict)
+    sets: Mapping[str, SetDecl] = field(default_factory=dict)
+    elements: Mapping[str, Mapping[str, tuple]] = field(default_factory=dict)  # name -> key text -> element_of-able
     owned: Mapping[tuple[str, str], Objects] = field(default_factory=dict)
     context: tuple = ()
     refs: Mapping[tuple, int] = field(default_factory=dict)
@@ -162,6 +188,7 @@ class NftRuleSet:
     state: NftState
     full: bool = True
     changes: int = 0      # statements in the text (a measure of the transaction's size)
+    ops: tuple[Op, ...] = ()   # the transaction as objects: the text and netlink batches are encoded from them
 
 
 class RenderCache:
@@ -186,30 +213,27 @@ class _Builder:
     """Collects one owner's objects in write order."""
 
     def __init__(self) -> None:
-        self.chains: dict[str, list[str]] = {}
-        self.chain_decls: dict[str, str] = {}
-        self.sets: dict[str, tuple[str, str]] = {}
-        self.elements: list[tuple[str, str, str]] = []
-        self.shared_sets: dict[str, tuple[str, str]] = {}
-        self.shared_elements: list[tuple[str, str, str]] = []
+        self.chains: dict[str, list[Rule]] = {}
+        self.chain_decls: dict[str, BaseChain | None] = {}
+        self.sets: dict[str, SetDecl] = {}
+        self.elements: list[tuple[str, str, tuple]] = []
+        self.shared_sets: dict[str, SetDecl] = {}
+        self.shared_elements: list[tuple[str, str, tuple]] = []
 
-    def chain(self, name: str, decl: str = "") -> list[str]:
+    def chain(self, name: str, decl: BaseChain | None = None) -> list[Rule]:
         rules = self.chains.get(name)
         if rules is None:
             rules = self.chains[name] = []
             self.chain_decls[name] = decl
         return rules
 
-    def set(self, name: str, kind: str, decl: str) -> None:
-        self.sets[name] = (kind, decl)
+    def set(self, name: str, decl: SetDecl) -> None:
+        self.sets[name] = decl
 
-    def element(self, name: str, key: str, value: str = "", comment: str = "") -> None:
-        text = key
-        if comment:
-            text += f' comment "{comment}"'
-        if value:
-            text += f" : {value}"
-        self.elements.append((name, key, text))
+    def element(self, name: str, key: tuple, value: tuple | None = None, comment: str = "") -> None:
+        """An element as the state keeps it: (key fields, plain verdict, comment, interval, text)."""
+        text = " . ".join(key)
+        self.elements.append((name, text, (key, value, comment, False, "")))
 
     def objects(self, slot_keys: tuple = (), slots: tuple = ()) -> Objects:
         return Objects({k: tuple(v) for k, v in self.chains.items()}, self.chain_decls, self.sets,
@@ -218,10 +242,10 @@ class _Builder:
 
 def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects], context: tuple,
            buckets: Mapping[tuple[str, int], Mapping[tuple, int]] | None = None) -> NftState:
-    chains: dict[str, tuple[str, ...]] = dict(base.chains)
-    decls: dict[str, str] = dict(base.chain_decls)
-    sets: dict[str, tuple[str, str]] = dict(base.sets)
-    elements: dict[str, dict[str, str]] = {name: {} for name in sets}
+    chains: dict[str, tuple[Rule, ...]] = dict(base.chains)
+    decls: dict[str, BaseChain | None] = dict(base.chain_decls)
+    sets: dict[str, SetDecl] = dict(base.sets)
+    elements: dict[str, dict[str, tuple]] = {name: {} for name in sets}
     refs: dict[tuple, int] = {}
     for name, key, text in base.elements:
         elements[name][key] = text
@@ -512,22 +536,24 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
         base, context, node, zone = _base(state, cfg, family)
         if previous is None or previous.family != family:
             new = _full_state(state, cfg, family, node, zone, base, context, cache)
-            return NftRuleSet(text=full_text(new), state=new, full=True, changes=sum(new.summary().values()))
+            ops = full_ops(new)
+            return NftRuleSet(text=ops_text(ops, family), state=new, full=True,
+                              changes=sum(new.summary().values()), ops=tuple(ops))
         if resync:
             new = _full_state(state, cfg, family, node, zone, base, context, cache)
-            text = resync_text(previous, new)
-            return NftRuleSet(text=text, state=new, full=True, changes=text.count("\n"))
+            ops = resync_ops(previous, new)
+            return NftRuleSet(text=ops_text(ops, family), state=new, full=True, changes=len(ops), ops=tuple(ops))
         if changed is None or previous.context != context:
             new = _full_state(state, cfg, family, node, zone, base, context, cache)
-            text, count = diff_text(previous, new)
-            return NftRuleSet(text=text, state=new, full=False, changes=count)
+            ops = diff_ops(previous, new)
+            return NftRuleSet(text=ops_text(ops, family), state=new, full=False, changes=len(ops), ops=tuple(ops))
         updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed))
         new = _apply(previous, updates, buckets)
         old_side = _partial(family, [o for k in updates if (o := previous.owned.get(k)) is not None])
         new_side = _partial(family, [o for o in updates.values() if o is not None])
         _align_shared(old_side, new_side, previous, new)
-        text, count = diff_text(old_side, new_side)
-        return NftRuleSet(text=text, state=new, full=False, changes=count)
+        ops = diff_ops(old_side, new_side)
+        return NftRuleSet(text=ops_text(ops, family), state=new, full=False, changes=len(ops), ops=tuple(ops))
 
 
 def build(state: ClusterState, cfg: Config, family: int = 4, cache: RenderCache | None = None) -> NftState:
@@ -547,6 +573,20 @@ def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, 
     if node.primary_ip:
         return False, (node.primary_ip,)
     return True, ()
+
+
+# The table state keeps elements as plain tuples (key, value, comment, interval, text): the
+# collector untracks plain tuples of plain values, not named tuples, and a full collection
+# over 220,000 tracked elements took ~0.6 s. Operations carry them as nftobj.Element again.
+_new = tuple.__new__
+
+
+def element_of(t: tuple) -> Element:
+    """The nftobj.Element of a stored element."""
+    key, value, comment, interval, spelled = t
+    if value is not None:
+        value = _new(Endpoint, value) if interval else _new(Verdict, value)
+    return _new(Element, (key, value, comment, interval, spelled))
 
 
 def _uses_cluster(info: ServicePortInfo) -> bool:
@@ -667,64 +707,66 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
     node = node_info(state, cfg, family)
     mark = hex(1 << cfg.masquerade_bit)
     np_all, np_ips = nodeport_addresses(cfg, node, family)
-    no_localhost = f"{ipx} daddr != 127.0.0.0/8" if family == 4 else f"{ipx} daddr != ::1"
     b = _Builder()
 
     for name, ctype, hook, prio in BASE_CHAINS:
-        b.chain(name, f"{{ type {ctype} hook {hook} priority {prio} ; }}")
+        b.chain(name, BaseChain(ctype, hook, prio))
     for src, match, dst in JUMPS:
         b.chain(dst)
-        b.chain(src).append(f"{match} jump {dst}" if match else f"jump {dst}")
+        b.chain(src).append(rule(CtState("new"), Verdict("jump", dst)) if match else rule(Verdict("jump", dst)))
     for name in (SERVICES, "cluster-ips-check", MASQUERADING, MARK_MASQ):
         b.chain(name)
-    b.chain(MARK_MASQ).append(f"mark set mark or {mark}")
-    b.set(HAIRPIN, "set", f"{{ type {addr_type} . {addr_type} ; "
-                          'comment "endpoint . endpoint: a Pod reaching itself through a Service" ; }')
-    b.chain(MASQUERADING).extend([f"ct status dnat {ipx} saddr . {ipx} daddr @{HAIRPIN} jump {MARK_MASQ}",
-                                  f"mark and {mark} == 0 return", f"mark set mark xor {mark}",
-                                  "masquerade fully-random"])
+    b.chain(MARK_MASQ).append(rule(MarkSet("or", mark)))
+    b.set(HAIRPIN, SetDecl("set", type=f"{addr_type} . {addr_type}",
+                           comment="endpoint . endpoint: a Pod reaching itself through a Service"))
+    b.chain(MASQUERADING).extend([
+        rule(CtStatus("dnat"), Lookup((f"{ipx} saddr", f"{ipx} daddr"), HAIRPIN), Verdict("jump", MARK_MASQ)),
+        rule(MarkIsZero(mark), Verdict("return")), rule(MarkSet("xor", mark)), rule(Masquerade())])
 
-    b.set(CLUSTER_IPS, "set", f'{{ type {addr_type} ; comment "Active ClusterIPs" ; }}')
+    b.set(CLUSTER_IPS, SetDecl("set", type=addr_type, comment="Active ClusterIPs"))
     check = b.chain("cluster-ips-check")
-    check.append(f'{ipx} daddr @{CLUSTER_IPS} reject comment "Reject traffic to invalid ports of ClusterIPs"')
-    cidrs = [c for c in cfg.service_cidrs if (":" in c) == (family == 6)]
+    check.append(rule(Lookup((f"{ipx} daddr",), CLUSTER_IPS), Verdict("reject"),
+                      comment="Reject traffic to invalid ports of ClusterIPs"))
+    cidrs = tuple(c for c in cfg.service_cidrs if (":" in c) == (family == 6))
     if cidrs:
-        check.append(f'{ipx} daddr {{ {", ".join(cidrs)} }} drop comment "Drop traffic to unallocated ClusterIPs"')
+        check.append(rule(AddrIn(ipx, "daddr", cidrs), Verdict("drop"), comment="Drop traffic to unallocated ClusterIPs"))
 
+    np_match: tuple
     if not np_all:
-        b.set(NODEPORT_IPS, "set", f'{{ type {addr_type} ; comment "IPs that accept NodePort traffic" ; }}')
+        b.set(NODEPORT_IPS, SetDecl("set", type=addr_type, comment="IPs that accept NodePort traffic"))
         for ip in np_ips:
-            b.element(NODEPORT_IPS, ip)
-        np_match = f"{ipx} daddr @{NODEPORT_IPS}"
+            b.element(NODEPORT_IPS, (ip,))
+        np_match = (Lookup((f"{ipx} daddr",), NODEPORT_IPS),)
     else:
-        np_match = f"fib daddr type local {no_localhost}"
+        np_match = (FibLocal("daddr"), Addr(ipx, "daddr", "127.0.0.0/8" if family == 4 else "::1", neg=True))
 
-    svc_key = f"{ipx} daddr . meta l4proto . th dport"
-    b.set(NO_ENDPOINT_REJECT, "set", f"{{ type {addr_type} . inet_proto . inet_service ; "
-                                     'comment "Service addresses without endpoints: rejected" ; }')
-    b.set(NO_ENDPOINT_DROP, "set", f"{{ type {addr_type} . inet_proto . inet_service ; "
-                                   'comment "Service addresses without endpoints for their Local policy: dropped" ; }')
-    b.set(NO_ENDPOINT_NODEPORT_REJECT, "set", "{ type inet_proto . inet_service ; "
-                                              'comment "NodePorts without endpoints: rejected" ; }')
-    b.set(NO_ENDPOINT_NODEPORT_DROP, "set", "{ type inet_proto . inet_service ; "
-                                            'comment "NodePorts without local endpoints: dropped" ; }')
-    b.chain("service-endpoints-check").extend([f"{svc_key} @{NO_ENDPOINT_REJECT} reject",
-                                               f"{svc_key} @{NO_ENDPOINT_DROP} drop"])
+    svc_key = (f"{ipx} daddr", "meta l4proto", "th dport")
+    np_key = ("meta l4proto", "th dport")
+    svc_type = f"{addr_type} . inet_proto . inet_service"
+    b.set(NO_ENDPOINT_REJECT, SetDecl("set", type=svc_type, comment="Service addresses without endpoints: rejected"))
+    b.set(NO_ENDPOINT_DROP, SetDecl("set", type=svc_type, comment="Service addresses without endpoints for their "
+                                                                  "Local policy: dropped"))
+    b.set(NO_ENDPOINT_NODEPORT_REJECT, SetDecl("set", type="inet_proto . inet_service",
+                                               comment="NodePorts without endpoints: rejected"))
+    b.set(NO_ENDPOINT_NODEPORT_DROP, SetDecl("set", type="inet_proto . inet_service",
+                                             comment="NodePorts without local endpoints: dropped"))
+    b.chain("service-endpoints-check").extend([rule(Lookup(svc_key, NO_ENDPOINT_REJECT), Verdict("reject")),
+                                               rule(Lookup(svc_key, NO_ENDPOINT_DROP), Verdict("drop"))])
     b.chain("nodeport-endpoints-check").extend([
-        f"{np_match} meta l4proto . th dport @{NO_ENDPOINT_NODEPORT_REJECT} reject",
-        f"{np_match} meta l4proto . th dport @{NO_ENDPOINT_NODEPORT_DROP} drop"])
+        rule(*np_match, Lookup(np_key, NO_ENDPOINT_NODEPORT_REJECT), Verdict("reject")),
+        rule(*np_match, Lookup(np_key, NO_ENDPOINT_NODEPORT_DROP), Verdict("drop"))])
 
-    b.set(FIREWALL_IPS, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
-                               f'comment "destinations that are subject to LoadBalancerSourceRanges" ; }}')
+    b.set(FIREWALL_IPS, SetDecl("map", type=f"{svc_type} : verdict",
+                                comment="destinations that are subject to LoadBalancerSourceRanges"))
     # without endpoints the address is rejected later, whatever the source (as kube-proxy)
-    b.chain("firewall-check").extend([f"{svc_key} @{NO_ENDPOINT_REJECT} return",
-                                      f"{svc_key} vmap @{FIREWALL_IPS}"])
+    b.chain("firewall-check").extend([rule(Lookup(svc_key, NO_ENDPOINT_REJECT), Verdict("return")),
+                                      rule(Vmap(svc_key, FIREWALL_IPS))])
 
-    b.set(SERVICE_IPS, "map", f"{{ type {addr_type} . inet_proto . inet_service : verdict ; "
-                              f'comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }}')
-    b.set(SERVICE_NODEPORTS, "map", '{ type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }')
-    b.chain(SERVICES).append(f"{svc_key} vmap @{SERVICE_IPS}")
-    b.chain(SERVICES).append(f"{np_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS}")
+    b.set(SERVICE_IPS, SetDecl("map", type=f"{svc_type} : verdict",
+                               comment="ClusterIP, ExternalIP and LoadBalancer IP traffic"))
+    b.set(SERVICE_NODEPORTS, SetDecl("map", type="inet_proto . inet_service : verdict", comment="NodePort traffic"))
+    b.chain(SERVICES).append(rule(Vmap(svc_key, SERVICE_IPS)))
+    b.chain(SERVICES).append(rule(*np_match, Vmap(np_key, SERVICE_NODEPORTS)))
 
     zone = ""
     if cfg.node_name and cfg.node_name in state.nodes:
@@ -741,6 +783,7 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
     proto = info.protocol
     name = info.name
     port = info.port_number
+    sport = str(port)
     cip = info.cluster_ip
     base = info.nft_base
     cluster_chain = n.nft_service_chain(base)
@@ -757,35 +800,34 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
         NO_ENDPOINT_NODEPORT_DROP if not has_external else "")
 
     # entries stay while the Service exists, with or without endpoints: no verdict element changes with them
-    b.element(CLUSTER_IPS, cip)
-    key = f"{cip} . {proto} . {port}"
-    b.element(SERVICE_IPS, key, f"goto {internal_chain}")
+    b.element(CLUSTER_IPS, (cip,))
+    b.element(SERVICE_IPS, (cip, proto, sport), ("goto", internal_chain))
     if int_set:
-        b.element(int_set, key, comment=name)
+        b.element(int_set, (cip, proto, sport), None, name)
+    to_ext = ("goto", ext_chain)
     for eip in info.external_ips:
-        ekey = f"{eip} . {proto} . {port}"
-        b.element(SERVICE_IPS, ekey, f"goto {ext_chain}")
+        b.element(SERVICE_IPS, (eip, proto, sport), to_ext)
         if ext_set:
-            b.element(ext_set, ekey, comment=name)
+            b.element(ext_set, (eip, proto, sport), None, name)
     firewall = bool(info.lb_ips) and info.lb_firewall
     for lbip in info.lb_ips:
-        lkey = f"{lbip} . {proto} . {port}"
-        b.element(SERVICE_IPS, lkey, f"goto {ext_chain}")
+        b.element(SERVICE_IPS, (lbip, proto, sport), to_ext)
         if firewall:
-            b.element(FIREWALL_IPS, lkey, f"goto {fw_chain}", name)
+            b.element(FIREWALL_IPS, (lbip, proto, sport), ("goto", fw_chain), name)
         if ext_set:
-            b.element(ext_set, lkey, comment=name)
+            b.element(ext_set, (lbip, proto, sport), None, name)
     if info.node_port:
-        nkey = f"{proto} . {info.node_port}"
-        b.element(SERVICE_NODEPORTS, nkey, f"goto {ext_chain}")
+        nport = str(info.node_port)
+        b.element(SERVICE_NODEPORTS, (proto, nport), to_ext)
         if np_set:
-            b.element(np_set, nkey, comment=name)
+            b.element(np_set, (proto, nport), None, name)
 
-    masq = ""
+    masq: Rule | None = None
     if cfg.masquerade_all:
-        masq = f"{ipx} daddr {cip} {proto} dport {port} jump {MARK_MASQ}"
+        masq = rule(Addr(ipx, "daddr", cip), Dport(proto, port), Verdict("jump", MARK_MASQ))
     elif node.local_cidr:
-        masq = f"{ipx} daddr {cip} {proto} dport {port} {ipx} saddr != {node.local_cidr} jump {MARK_MASQ}"
+        masq = rule(Addr(ipx, "daddr", cip), Dport(proto, port), Addr(ipx, "saddr", node.local_cidr, neg=True),
+                    Verdict("jump", MARK_MASQ))
     ep_bases: dict[str, str] = {}
     if info.affinity_timeout:
         # nft_endpoint_base inlined: kube-proxy's names for the per-endpoint chains
@@ -807,56 +849,57 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
     if info.externally_accessible:
         rules = b.chain(ext_chain)
         if not info.external_local:
-            rules += [f"jump {MARK_MASQ}", f"goto {cluster_chain}"]
+            rules += [rule(Verdict("jump", MARK_MASQ)), rule(Verdict("goto", cluster_chain))]
         else:
             if node.local_cidr:
-                rules.append(f'{ipx} saddr {node.local_cidr} goto {cluster_chain} comment "short-circuit pod traffic"')
-            rules.append(f'fib saddr type local jump {MARK_MASQ} comment "masquerade local traffic"')
-            rules.append(f'fib saddr type local goto {cluster_chain} comment "short-circuit local traffic"')
-            rules.append(f"goto {local_chain}")
+                rules.append(rule(Addr(ipx, "saddr", node.local_cidr), Verdict("goto", cluster_chain),
+                                  comment="short-circuit pod traffic"))
+            rules.append(rule(FibLocal("saddr"), Verdict("jump", MARK_MASQ), comment="masquerade local traffic"))
+            rules.append(rule(FibLocal("saddr"), Verdict("goto", cluster_chain), comment="short-circuit local traffic"))
+            rules.append(rule(Verdict("goto", local_chain)))
 
     if firewall:
         sources = list(info.lb_source_ranges)
         if node.primary_ip and any(_contains(c, node.primary_ip) for c in info.lb_source_ranges):
             sources += list(info.lb_ips)
         # ranges only in the other family allow nothing of this one
-        b.chain(fw_chain).append(f"{ipx} saddr != {{ {', '.join(sources)} }} drop" if sources else "drop")
+        b.chain(fw_chain).append(rule(AddrIn(ipx, "saddr", tuple(sources), neg=True), Verdict("drop"))
+                                 if sources else rule(Verdict("drop")))
 
     hairpin = b.shared_elements
     for ep in cat.reachable:
         pair = f"{ep.ip} . {ep.ip}"
-        hairpin.append((HAIRPIN, pair, pair))
+        hairpin.append((HAIRPIN, pair, ((ep.ip, ep.ip), None, "", False, pair)))
     if info.affinity_timeout:
-        dnat = f"meta l4proto {proto} dnat to "
         for ep in cat.reachable:
             ep_base = ep_bases[ep.endpoint]
             aff = n.nft_affinity_set(ep_base)
-            b.set(aff, "set", f"{{ type {addr_type} ; flags dynamic,timeout ; timeout {info.affinity_timeout}s ; }}")
-            b.chain(n.nft_endpoint_chain(ep_base)).extend([f"update @{aff} {{ {ipx} saddr }}", dnat + ep.endpoint])
+            b.set(aff, SetDecl("set", type=addr_type, flags="dynamic,timeout", timeout=info.affinity_timeout))
+            b.chain(n.nft_endpoint_chain(ep_base)).extend([rule(Update(aff, ipx)), rule(DnatTo(proto, ep.ip, ep.port))])
 
 
-def _dispatch(b: _Builder, rules: list[str], info: ServicePortInfo, endpoints, slot: tuple | None,
+def _dispatch(b: _Builder, rules: list[Rule], info: ServicePortInfo, endpoints, slot: tuple | None,
               ep_bases: dict[str, str], ipx: str) -> None:
     if info.affinity_timeout:
         # kube-proxy's shape: a client seen recently goes back to its endpoint, others are spread
         for ep in endpoints:
             base = ep_bases[ep.endpoint]
-            rules.append(f"{ipx} saddr @{n.nft_affinity_set(base)} goto {n.nft_endpoint_chain(base)}")
+            rules.append(rule(Lookup((f"{ipx} saddr",), n.nft_affinity_set(base)),
+                              Verdict("goto", n.nft_endpoint_chain(base))))
         if endpoints:
-            vmap = " , ".join([f"{i} : goto {n.nft_endpoint_chain(ep_bases[ep.endpoint])}"
-                               for i, ep in enumerate(endpoints)])
-            rules.append(f"numgen random mod {len(endpoints)} vmap {{ {vmap} }}")
+            rules.append(rule(NumgenVmap(tuple(n.nft_endpoint_chain(ep_bases[ep.endpoint]) for ep in endpoints))))
         return
     assert slot is not None
     bucket, index = slot
     name = endpoints_map(bucket)
     offset = index * SLOT
-    b.shared_sets[name] = ("map", f"{{ typeof numgen random mod {SLOT} : {ipx} daddr . {info.protocol} dport ; "
-                                  "flags interval ; }")
-    rules.append(f"meta l4proto {info.protocol} dnat to numgen random mod {SLOT}"
-                 f"{f' offset {offset}' if offset else ''} map @{name}")
+    b.shared_sets[name] = SetDecl("map", typeof=f"numgen random mod {SLOT} : {ipx} daddr . {info.protocol} dport",
+                                  flags="interval")
+    rules.append(rule(DnatMap(info.protocol, SLOT, offset, name)))
+    elements = b.elements
     for (lo, hi), ep in zip(shares(len(endpoints), offset) if endpoints else (), endpoints):
-        b.element(name, f"{lo}-{hi}", f"{ep.ip} . {ep.port}")
+        key = f"{lo}-{hi}"
+        elements.append((name, key, ((lo, hi), (ep.ip, ep.port), "", True, f"{key} : {ep.ip} . {ep.port}")))
 
 
 def endpoint_share(text_key: str) -> float:
@@ -872,83 +915,78 @@ def _contains(cidr: str, ip: str) -> bool:
         return False
 
 
+TABLE_COMMENT = "rules for kube-proxy"
+
+
+def full_ops(new: NftState) -> list[Op]:
+    """A transaction that replaces the whole table with `new` (atomic: one nft -f or netlink batch)."""
+    t = n.NFT_TABLE
+    ops = [Op("add", "table", t, TABLE_COMMENT), Op("delete", "table", t), Op("add", "table", t, TABLE_COMMENT)]
+    ops += [Op("add", "chain", name, decl) for name, decl in new.chain_decls.items()]
+    ops += [Op("add", sdecl.kind, name, sdecl) for name, sdecl in new.sets.items()]
+    _rules_and_elements(ops, new)
+    return ops
+
+
 def full_text(new: NftState) -> str:
-    """A transaction that replaces the whole table with `new` (atomic: one nft -f)."""
-    fam, _, _ = _fam(new.family)
-    t = f"{fam} {n.NFT_TABLE}"
-    out = [f'add table {t} {{ comment "rules for kube-proxy" ; }}',
-           f"delete table {t}",
-           f'add table {t} {{ comment "rules for kube-proxy" ; }}']
-    chain = f"add chain {t} "
-    out += [(chain + name + " " + decl).rstrip() if decl else chain + name
-            for name, decl in new.chain_decls.items()]
-    for name, (kind, decl) in new.sets.items():
-        out.append(f"add {kind} {t} {name} {decl}")
-    _rules_and_elements(out, t, new)
-    return "\n".join(out) + "\n"
+    return ops_text(full_ops(new), new.family)
 
 
-def _rules_and_elements(out: list[str], t: str, new: NftState) -> None:
-    """Every rule, then every element, of `new` (hot: hundreds of thousands of lines)."""
-    rule = f"add rule {t} "
+def _rules_and_elements(ops: list[Op], new: NftState) -> None:
+    """Every rule, then every element, of `new` (hot: hundreds of thousands of objects)."""
     for name, rules in new.chains.items():
-        if rules:
-            p = rule + name + " "
-            out.append(p + ("\n" + p).join(rules))
+        ops += [Op("add", "rule", name, r) for r in rules]
     # one statement per set: nft sends its elements in few messages (one per element was
     # 220,000 commands at 10,000 Services, each looking the set up by name in the kernel)
-    element = f"add element {t} "
     for name, elems in new.elements.items():
         if elems:
-            out.append(element + name + " { " + ", ".join(elems.values()) + " }")
+            ops.append(Op("add", "element", name, tuple(elems.values())))
 
 
-def resync_text(old: NftState, new: NftState) -> str:
+def resync_ops(old: NftState, new: NftState) -> list[Op]:
     """Rewrite everything in place: repairs any drift in our objects, keeps affinity entries.
 
     Affinity sets are the only objects the kernel fills by itself (`update @set`);
     they are re-declared (idempotent) but not flushed, unless their declaration changed.
     """
-    fam, _, _ = _fam(new.family)
-    t = f"{fam} {n.NFT_TABLE}"
-    out = [f'add table {t} {{ comment "rules for kube-proxy" ; }}']
+    ops = [Op("add", "table", n.NFT_TABLE, TABLE_COMMENT)]
     redeclared = [c for c in new.chains if c in old.chain_decls and old.chain_decls[c] != new.chain_decls[c]]
     for name, decl in new.chain_decls.items():
         if name not in redeclared:
-            out.append(f"add chain {t} {name} {decl}".rstrip())
+            ops.append(Op("add", "chain", name, decl))
     for name in old.chains:
-        out.append(f"flush chain {t} {name}")
+        ops.append(Op("flush", "chain", name))
     for name in new.chains:
         if name not in old.chains:
-            out.append(f"flush chain {t} {name}")   # it may exist without our knowing (drift)
-    dynamic = {s for s, (kind, decl) in new.sets.items() if "dynamic" in decl}
+            ops.append(Op("flush", "chain", name))   # it may exist without our knowing (drift)
     recreated = [s for s in new.sets if s in old.sets and old.sets[s] != new.sets[s]]
-    for name, (kind, decl) in new.sets.items():
+    for name, sdecl in new.sets.items():
         if name not in recreated:
-            out.append(f"add {kind} {t} {name} {decl}")
-            if name not in dynamic:
-                out.append(f"flush {kind} {t} {name}")
+            ops.append(Op("add", sdecl.kind, name, sdecl))
+            if "dynamic" not in sdecl.flags:
+                ops.append(Op("flush", sdecl.kind, name))
     for name in old.chains:
         if name not in new.chains:
-            out.append(f"delete chain {t} {name}")
+            ops.append(Op("delete", "chain", name))
     for name in redeclared:
-        out.append(f"delete chain {t} {name}")
-        out.append(f"add chain {t} {name} {new.chain_decls[name]}".rstrip())
+        ops.append(Op("delete", "chain", name))
+        ops.append(Op("add", "chain", name, new.chain_decls[name]))
     for name in old.sets:
         if name not in new.sets or name in recreated:
-            out.append(f"delete {old.sets[name][0]} {t} {name}")
+            ops.append(Op("delete", old.sets[name].kind, name))
     for name in recreated:
-        kind, decl = new.sets[name]
-        out.append(f"add {kind} {t} {name} {decl}")
-    _rules_and_elements(out, t, new)
-    return "\n".join(out) + "\n"
+        ops.append(Op("add", new.sets[name].kind, name, new.sets[name]))
+    _rules_and_elements(ops, new)
+    return ops
 
 
-def diff_text(old: NftState, new: NftState) -> tuple[str, int]:
+def resync_text(old: NftState, new: NftState) -> str:
+    return ops_text(resync_ops(old, new), new.family)
+
+
+def diff_ops(old: NftState, new: NftState) -> list[Op]:
     """The transaction turning `old` into `new`: only changed elements and chains."""
-    fam, _, _ = _fam(new.family)
-    t = f"{fam} {n.NFT_TABLE}"
-    out: list[str] = []
+    ops: list[Op] = []
     # sets whose declaration changed are recreated; chains using them are refilled
     recreated = {s for s in new.sets if s in old.sets and old.sets[s] != new.sets[s]}
     removed_sets = [s for s in old.sets if s not in new.sets]
@@ -958,43 +996,45 @@ def diff_text(old: NftState, new: NftState) -> tuple[str, int]:
     redeclared = [c for c in new.chains if c in old.chains and old.chain_decls.get(c) != new.chain_decls.get(c)]
     changed = [c for c in new.chains if c in old.chains and (
         old.chains[c] != new.chains[c] or c in redeclared
-        or (recreated and any(f"@{s} " in r or r.endswith(f"@{s}") for r in new.chains[c] for s in recreated)))]
+        or (recreated and any(s in recreated for r in new.chains[c] for s in r.sets())))]
 
     for c in added_chains:
-        out.append(f"add chain {t} {c} {new.chain_decls.get(c, '')}".rstrip())
+        ops.append(Op("add", "chain", c, new.chain_decls.get(c)))
     for s in added_sets:
-        kind, decl = new.sets[s]
-        out.append(f"add {kind} {t} {s} {decl}")
+        ops.append(Op("add", new.sets[s].kind, s, new.sets[s]))
     # elements that go away or change value
     for s, elems in old.elements.items():
         if s in removed_sets or s in recreated:
             continue
         now = new.elements.get(s, {})
-        for key, text in elems.items():
-            if now.get(key) != text:
-                out.append(f"delete element {t} {s} {{ {key} }}")
+        for key, elem in elems.items():
+            if now.get(key) != elem:
+                ops.append(Op("delete", "element", s, (element_of(elem),)))
     for c in changed + removed_chains:
-        out.append(f"flush chain {t} {c}")
+        ops.append(Op("flush", "chain", c))
     for c in removed_chains:
-        out.append(f"delete chain {t} {c}")
+        ops.append(Op("delete", "chain", c))
     for c in redeclared:
         # a base chain's hook or priority changed: recreate it (flushed above)
-        out.append(f"delete chain {t} {c}")
-        out.append(f"add chain {t} {c} {new.chain_decls[c]}".rstrip())
+        ops.append(Op("delete", "chain", c))
+        ops.append(Op("add", "chain", c, new.chain_decls[c]))
     for s in removed_sets + sorted(recreated):
-        out.append(f"delete {old.sets[s][0]} {t} {s}")
+        ops.append(Op("delete", old.sets[s].kind, s))
     for s in sorted(recreated):
-        kind, decl = new.sets[s]
-        out.append(f"add {kind} {t} {s} {decl}")
+        ops.append(Op("add", new.sets[s].kind, s, new.sets[s]))
     for c in added_chains + changed:
-        for rule in new.chains[c]:
-            out.append(f"add rule {t} {c} {rule}")
+        ops += [Op("add", "rule", c, r) for r in new.chains[c]]
     for s, elems in new.elements.items():
         before = {} if (s in recreated or s in added_sets) else old.elements.get(s, {})
-        for key, text in elems.items():
-            if before.get(key) != text:
-                out.append(f"add element {t} {s} {{ {text} }}")
-    return ("\n".join(out) + "\n" if out else ""), len(out)
+        for key, elem in elems.items():
+            if before.get(key) != elem:
+                ops.append(Op("add", "element", s, (element_of(elem),)))
+    return ops
+
+
+def diff_text(old: NftState, new: NftState) -> tuple[str, int]:
+    ops = diff_ops(old, new)
+    return ops_text(ops, new.family), len(ops)
 
 
 def programmed(family: int = 4, netns: str | None = None) -> dict[tuple[str, str, int], frozenset[str]]:

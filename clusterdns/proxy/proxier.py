@@ -237,7 +237,7 @@ class NftablesBackend:
                 await self.exe.apply(rs.text)
                 self.last_path = "nft"
             else:
-                self.last_path = await self.exe.apply_small(rs.text)
+                self.last_path = await self.exe.apply_small(rs.text, rs.ops)
         except ApplyError:
             self.previous = None
             raise

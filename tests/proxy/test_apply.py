@@ -212,7 +212,7 @@ def test_small_transaction_goes_over_netlink(netns):
     ep = dataclasses.replace(sl.endpoints[0], addresses=("10.161.0.99",))
     store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=(ep,) + sl.endpoints[1:]))
     small = nftables.render(store.current, cfg, 4, previous=full.state, changed={("kube-system", "kube-dns")})
-    assert run(exe.apply_small(small.text)) == "netlink"
+    assert run(exe.apply_small(small.text, small.ops)) == "netlink"
     listing = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "table", "ip", "kube-proxy"],
                              capture_output=True, text=True).stdout
     assert " : 10.161.0.99 . 53" in listing

@@ -13,6 +13,29 @@ import pytest
 from clusterdns.config import Config
 from clusterdns.model import LOAD_BALANCER, NODE_PORT, Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
 from clusterdns.proxy import nflink, nftables
+from clusterdns.proxy.nftobj import (
+    Addr,
+    AddrIn,
+    BaseChain,
+    CtState,
+    DnatMap,
+    DnatTo,
+    Dport,
+    Element,
+    FibLocal,
+    L4proto,
+    Lookup,
+    Masquerade,
+    NumgenVmap,
+    Op,
+    SetDecl,
+    Update,
+    Verdict,
+    Vmap,
+    rule,
+)
+from clusterdns.proxy.nftobj import Endpoint as NftEndpoint
+from clusterdns.proxy.nftobj import text as ops_text
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
 from tests.nslib import requires
@@ -22,106 +45,122 @@ CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
 T = "ip kube-proxy"
 
 
-# ---------------------------------------------------------------- which lines are ours
+# ---------------------------------------------------------------- which operations are ours
+
+AFF = "affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080"
+AFF_DECL = SetDecl("set", type="ipv4_addr", flags="dynamic,timeout", timeout=10800)
+EP_MAP = SetDecl("map", typeof="numgen random mod 65536 : ip daddr . udp dport", flags="interval")
+MASQ = Verdict("jump", "mark-for-masquerade")
+
+
+def el(*key, value=None, comment=""):
+    return (Element(tuple(key), value, comment),)
+
+
+def rng(lo, hi, ip=None, port=0):
+    return (Element((lo, hi), NftEndpoint(ip, port) if ip else None, interval=True),)
+
+
+SUPPORTED = [
+    Op("add", "chain", "endpoint-AAAA-ns/svc/tcp/http__10.0.1.3/8080"),
+    Op("flush", "chain", "service-X"),
+    Op("delete", "chain", "service-X"),
+    Op("add", "rule", "svc", rule(Addr("ip", "daddr", "10.96.0.2"), Dport("tcp", 80),
+                                  Addr("ip", "saddr", "10.0.0.0/8", neg=True), MASQ)),
+    Op("add", "rule", "svc", rule(NumgenVmap(("ep-a", "ep-b")))),
+    Op("add", "rule", "ep", rule(DnatTo("tcp", "10.0.1.3", 8080))),
+    Op("add", "rule", "ext", rule(Addr("ip", "saddr", "10.0.0.0/8"), Verdict("goto", "svc"),
+                                  comment="short-circuit pod traffic")),
+    Op("add", "rule", "ext", rule(FibLocal("saddr"), MASQ, comment="masquerade local traffic")),
+    Op("add", "rule", "ext", rule(Verdict("goto", "svc"))),
+    Op("add", "rule", "fw", rule(Verdict("drop"))),
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("203.0.113.0/25", "198.51.100.9", "192.0.2.0/24"), neg=True),
+                                 Verdict("drop"))),
+    Op("add", "element", "service-ips", el("10.96.0.2", "tcp", "80", value=Verdict("goto", "svc"))),
+    Op("add", "element", "no-endpoint-reject", el("10.96.0.2", "udp", "53", comment="ns/svc:dns")),
+    Op("add", "element", "no-endpoint-nodeport-drop", el("tcp", "30001", comment="ns/svc:http")),
+    Op("add", "element", "hairpin", el("10.0.1.3", "10.0.1.3")),
+    Op("add", "element", "endpoints-tcp-007", rng(65536, 98303, "10.0.1.3", 8080)),
+    Op("delete", "element", "endpoints-tcp-007", rng(65536, 98303)),
+    Op("add", "map", "endpoints-udp-007", EP_MAP),
+    Op("delete", "map", "endpoints-udp-007"),
+    Op("add", "rule", "svc", rule(DnatMap("tcp", 65536, 131072, "endpoints-tcp-007"))),
+    Op("add", "rule", "svc", rule(DnatMap("udp", 65536, 0, "endpoints-udp-007"))),
+    Op("add", "element", "cluster-ips", el("10.96.0.2") + el("10.96.0.3")),
+    Op("delete", "element", "service-nodeports", el("sctp", "30001")),
+    Op("add", "set", AFF, AFF_DECL),
+    Op("delete", "set", AFF),
+    Op("add", "rule", "svc", rule(Lookup(("ip saddr",), AFF), Verdict("goto", "ep"))),
+    Op("add", "rule", "ep", rule(Update(AFF, "ip"))),
+]
+
 
 def test_supported_forms():
-    lines = [
-        f"add chain {T} endpoint-AAAA-ns/svc/tcp/http__10.0.1.3/8080",
-        f"flush chain {T} service-X",
-        f"delete chain {T} service-X",
-        f"add rule {T} svc ip daddr 10.96.0.2 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
-        f"add rule {T} svc numgen random mod 2 vmap {{ 0 : goto ep-a , 1 : goto ep-b }}",
-        f"add rule {T} ep ip saddr 10.0.1.3 jump mark-for-masquerade",
-        f"add rule {T} ep meta l4proto tcp dnat to 10.0.1.3:8080",
-        f'add rule {T} ext ip saddr 10.0.0.0/8 goto svc comment "short-circuit pod traffic"',
-        f'add rule {T} ext fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"',
-        f"add rule {T} ext goto svc",
-        f"add rule {T} fw drop",
-        f"add rule {T} fw ip saddr != {{ 203.0.113.0/25, 198.51.100.9, 192.0.2.0/24 }} drop",
-        f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 : goto svc }}",
-        f'add element {T} no-endpoint-reject {{ 10.96.0.2 . udp . 53 comment "ns/svc:dns" }}',
-        f'add element {T} no-endpoint-nodeport-drop {{ tcp . 30001 comment "ns/svc:http" }}',
-        f"add element {T} hairpin {{ 10.0.1.3 . 10.0.1.3 }}",
-        f"add element {T} endpoints-tcp-007 {{ 65536-98303 : 10.0.1.3 . 8080 }}",
-        f"delete element {T} endpoints-tcp-007 {{ 65536-98303 }}",
-        f"add map {T} endpoints-udp-007 {{ typeof numgen random mod 65536 : ip daddr . udp dport ; flags interval ; }}",
-        f"delete map {T} endpoints-udp-007",
-        f"add rule {T} svc meta l4proto tcp dnat to numgen random mod 65536 offset 131072 map @endpoints-tcp-007",
-        f"add rule {T} svc meta l4proto udp dnat to numgen random mod 65536 map @endpoints-udp-007",
-        f"add element {T} cluster-ips {{ 10.96.0.2 }}",
-        f"delete element {T} service-nodeports {{ sctp . 30001 }}",
-        f"add set {T} affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 {{ type ipv4_addr ; flags dynamic,timeout ; "
-        "timeout 10800s ; }",
-        f"delete set {T} affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080",
-        f"add rule {T} svc ip saddr @affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 goto ep",
-        f"add rule {T} ep update @affinity-AAAA-ns/svc/tcp/http__10.0.1.3/8080 {{ ip saddr }}",
-    ]
-    for line in lines:
-        assert nflink.supported(line + "\n"), line
-    assert nflink.supported("\n".join(lines))
+    for op in SUPPORTED:
+        assert nflink.supported([op]), op.text(T)
+    assert nflink.supported(SUPPORTED)
 
 
-@pytest.mark.parametrize("line", [
-    f'add table {T} {{ comment "rules for kube-proxy" ; }}',
-    f"delete table {T}",
-    f"add chain {T} nat-output {{ type nat hook output priority -100 ; }}",
-    f'add map {T} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; }}',
-    f"flush map {T} service-ips",
-    f"add set {T} other {{ type ipv4_addr ; flags dynamic,timeout ; timeout 10s ; }}",
-    f"add set {T} affinity-A {{ type ipv6_addr ; flags dynamic,timeout ; timeout 10s ; }}",
-    f"add set {T} affinity-A {{ type ipv4_addr ; flags timeout ; timeout 10s ; }}",
-    f"flush set {T} affinity-A",
-    f"add rule {T} c ip saddr @cluster-ips goto x",
-    f"add rule {T} c ip saddr != @affinity-A goto x",
-    f"add rule {T} c update @affinity-A {{ ip daddr }}",
-    f"add rule {T} c update",
-    f"add rule {T} fw ip saddr != {{ 203.0.113.0/25, 203.0.113.128/25 }} drop",   # adjacent: nft merges
-    f"add rule {T} fw ip saddr != {{ 203.0.113.0/24, 203.0.113.128/25 }} drop",   # overlapping
-    f"add rule {T} fw ip saddr != {{ 0.0.0.0/2, 192.0.2.0/24 }} drop",      # starts at the lowest address
-    f"add rule {T} fw ip saddr != {{ 192.0.2.0/24, 255.0.0.0/8 }} drop",    # ends at the highest
-    f"add rule {T} fw ip saddr {{ 203.0.113.0/25 }} drop",
-    f"add rule {T} fw ip daddr != {{ 203.0.113.0/25 }} drop",
-    f"add rule {T} fw ip saddr != {{ fd00::/64, 192.0.2.0/24 }} drop",
-    f"add rule {T} c ip daddr . meta l4proto . th dport vmap @service-ips",
-    f"add rule {T} c ct state new jump x",
-    f"add rule {T} c masquerade fully-random",
-    f"add rule {T} c ip saddr 10.0.0.1/8 jump x",                      # host bits set
-    f"add rule {T} c ip saddr 10.0.0.1 ip daddr 10.0.0.2 jump x",      # nft would merge the two loads
-    f"add rule {T} c meta l4proto tcp dnat to [fd00::1]:80",            # v6 target in an ip table
-    f"add rule {T} c dnat to 10.0.0.1:80",                              # no protocol before it
-    f"add rule {T} c numgen random mod 3 vmap {{ 0 : goto a , 1 : goto b }}",
-    f"add rule {T} c numgen random mod 2 vmap {{ 0 : goto a , 0 : goto b }}",
-    f"add element {T} service-ips {{ 10.96.0.2 . tcp . 80 }}",           # a map element without data
-    f"add element {T} cluster-ips {{ 10.96.0.2 : goto x }}",
-    f"add element {T} service-ips {{ 10.96.0.2 . icmp . 80 : goto x }}",
-    f"add element {T} other-set {{ 10.96.0.2 }}",
-    f"add element {T} endpoints-tcp-1 {{ 5 : 10.0.0.1 . 80 }}",                  # not a range
-    f"add element {T} endpoints-tcp-1 {{ 0-5 : 10.0.0.1 }}",                     # no port
-    f"add element {T} hairpin {{ 10.0.0.1 }}",
-    f"add map {T} endpoints-tcp-1 {{ typeof numgen random mod 65536 : ip daddr . udp dport ; flags interval ; }}",
-    f"add map {T} other {{ typeof numgen random mod 65536 : ip daddr . tcp dport ; flags interval ; }}",
-    f"add rule {T} c meta l4proto udp dnat to numgen random mod 65536 map @endpoints-tcp-1",   # protocol mismatch
-    f"add rule {T} c meta l4proto tcp dnat to numgen random mod 65536 offset 7 map @endpoints-tcp-1",
-    f"add rule {T} c meta l4proto tcp dnat to numgen random mod 100 map @endpoints-tcp-1",
-    f"add chain ip6 kube-proxy a\nadd chain {T} b",                    # mixed families
-    "list ruleset",
-])
-def test_unsupported_forms(line):
-    assert not nflink.supported(line)
+@pytest.mark.parametrize("op", [
+    Op("add", "table", "kube-proxy", "rules for kube-proxy"),
+    Op("delete", "table", "kube-proxy"),
+    Op("add", "chain", "nat-output", BaseChain("nat", "output", -100)),
+    Op("add", "map", "service-ips", SetDecl("map", type="ipv4_addr . inet_proto . inet_service : verdict")),
+    Op("flush", "map", "service-ips"),
+    Op("add", "set", "other", SetDecl("set", type="ipv4_addr", flags="dynamic,timeout", timeout=10)),
+    Op("add", "set", "affinity-A", SetDecl("set", type="ipv6_addr", flags="dynamic,timeout", timeout=10)),
+    Op("add", "set", "affinity-A", SetDecl("set", type="ipv4_addr", flags="timeout", timeout=10)),
+    Op("flush", "set", "affinity-A"),
+    Op("add", "rule", "c", rule(Lookup(("ip saddr",), "cluster-ips"), Verdict("goto", "x"))),
+    Op("add", "rule", "c", rule(Update("affinity-A", "ip6"))),
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("203.0.113.0/25", "203.0.113.128/25"), neg=True),
+                                 Verdict("drop"))),     # adjacent: nft merges them
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("203.0.113.0/24", "203.0.113.128/25"), neg=True),
+                                 Verdict("drop"))),     # overlapping
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("0.0.0.0/2", "192.0.2.0/24"), neg=True), Verdict("drop"))),
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("192.0.2.0/24", "255.0.0.0/8"), neg=True), Verdict("drop"))),
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("203.0.113.0/25",)), Verdict("drop"))),
+    Op("add", "rule", "fw", rule(AddrIn("ip", "daddr", ("203.0.113.0/25",), neg=True), Verdict("drop"))),
+    Op("add", "rule", "fw", rule(AddrIn("ip", "saddr", ("fd00::/64", "192.0.2.0/24"), neg=True), Verdict("drop"))),
+    Op("add", "rule", "c", rule(Vmap(("ip daddr", "meta l4proto", "th dport"), "service-ips"))),
+    Op("add", "rule", "c", rule(CtState("new"), Verdict("jump", "x"))),
+    Op("add", "rule", "c", rule(Masquerade())),
+    Op("add", "rule", "c", rule(Verdict("return"))),
+    Op("add", "rule", "c", rule(Addr("ip", "saddr", "10.0.0.1/8"), Verdict("jump", "x"))),     # host bits set
+    Op("add", "rule", "c", rule(Addr("ip", "saddr", "10.0.0.1"), Addr("ip", "daddr", "10.0.0.2"),
+                                Verdict("jump", "x"))),  # nft would merge the two loads
+    Op("add", "rule", "c", rule(Addr("ip6", "saddr", "fd00::1"), Verdict("jump", "x"))),      # v6 in an ip table
+    Op("add", "rule", "c", rule(DnatTo("tcp", "fd00::1", 80))),                               # v6 target
+    Op("add", "rule", "c", rule(NumgenVmap(()))),
+    Op("add", "rule", "c", rule()),
+    Op("add", "element", "service-ips", el("10.96.0.2", "tcp", "80")),                        # no data
+    Op("add", "element", "cluster-ips", el("10.96.0.2", value=Verdict("goto", "x"))),
+    Op("add", "element", "service-ips", el("10.96.0.2", "icmp", "80", value=Verdict("goto", "x"))),
+    Op("add", "element", "other-set", el("10.96.0.2")),
+    Op("add", "element", "endpoints-tcp-1", el("5", value=NftEndpoint("10.0.0.1", 80))),          # not a range
+    Op("add", "element", "endpoints-tcp-1", rng(0, 5)),                                       # no endpoint
+    Op("add", "element", "hairpin", el("10.0.0.1")),
+    Op("add", "map", "endpoints-tcp-1", EP_MAP),                                              # udp typeof
+    Op("add", "map", "other", EP_MAP._replace(typeof="numgen random mod 65536 : ip daddr . tcp dport")),
+    Op("add", "rule", "c", rule(DnatMap("udp", 65536, 0, "endpoints-tcp-1"))),                 # protocol mismatch
+    Op("add", "rule", "c", rule(DnatMap("tcp", 65536, 7, "endpoints-tcp-1"))),
+    Op("add", "rule", "c", rule(DnatMap("tcp", 100, 0, "endpoints-tcp-1"))),
+], ids=lambda op: op.text(T)[:70])
+def test_unsupported_forms(op):
+    assert not nflink.supported([op])
     with pytest.raises(nflink.Unsupported):
-        nflink.apply(line, 6 if line.startswith("add chain ip6") else 4)
+        nflink.apply([op], 4)
 
 
 def test_full_render_falls_back_but_incremental_does_not():
     st = state_from_records(synthetic_records(5, 3, nodeport_every=2))
     full = nftables.render(st, CFG)
-    assert not nflink.supported(full.text)
-    # every Service-owned line of the full text is one nflink encodes
-    service_lines = [ln for ln in full.text.splitlines()
-                     if re.match(r"add (rule|chain) ip kube-proxy (service|external|endpoint)-[A-Z0-9]{8}-", ln)
-                     or ln.startswith("add element")]
-    assert len(service_lines) > 30
-    assert nflink.supported("\n".join(service_lines))
+    assert not nflink.supported(full.ops)
+    # every Service-owned operation of the full transaction is one nflink encodes
+    owned = tuple(c for objs in full.state.owned.values() for c in objs.chains)
+    service_ops = [op for op in full.ops if op.kind == "element" or op.kind in ("rule", "chain") and op.name in owned]
+    assert len(service_ops) > 30
+    assert nflink.supported(service_ops)
 
 
 # ---------------------------------------------------------------- in the kernel
@@ -286,8 +325,8 @@ def test_incremental_batches_match_nft(pair):
         changed = {k for k in set(keys) | set(prev_keys) if keys.get(k) != prev_keys.get(k)}
         rs = nftables.render(state_from_records(recs), CFG, previous=prev, changed=changed)
         assert rs.text, label
-        if nflink.supported(rs.text):
-            nflink.apply(rs.text, 4, netns=a)
+        if nflink.supported(rs.ops):
+            nflink.apply(rs.ops, 4, netns=a)
             sent.append(label)
         else:
             nft(a, rs.text)   # what the proxier does with a form nflink does not encode
@@ -317,8 +356,8 @@ def test_diff_of_whole_states_over_netlink(pair):
     nft(b, old.text)
     recs2 = [(k, replace(r, endpoints=r.endpoints[::2]) if k == "EndpointSlice" else r) for k, r in recs[:-4]]
     rs = nftables.render(state_from_records(recs2), CFG, previous=old.state)
-    assert nflink.supported(rs.text)
-    nflink.apply(rs.text, netns=a)
+    assert nflink.supported(rs.ops)
+    nflink.apply(rs.ops, netns=a)
     nft(b, rs.text)
     assert listing(a) == listing(b)
     assert bytecode(a) == bytecode(b)
@@ -330,36 +369,34 @@ def test_failing_batch_applies_nothing(pair):
     st = state_from_records(synthetic_records(3, 2))
     nft(a, nftables.render(st, CFG).text)
     before = listing(a)
-    text = textwrap.dedent(f"""\
-        add chain {T} endpoint-NEW
-        add rule {T} endpoint-NEW meta l4proto tcp dnat to 10.0.9.9:8080
-        add element {T} cluster-ips {{ 10.96.9.9 }}
-        delete chain {T} endpoint-MISSING
-        add element {T} cluster-ips {{ 10.96.9.10 }}
-        """)
-    assert nflink.supported(text)
+    ops = [Op("add", "chain", "endpoint-NEW"),
+           Op("add", "rule", "endpoint-NEW", rule(DnatTo("tcp", "10.0.9.9", 8080))),
+           Op("add", "element", "cluster-ips", el("10.96.9.9")),
+           Op("delete", "chain", "endpoint-MISSING"),
+           Op("add", "element", "cluster-ips", el("10.96.9.10"))]
+    assert nflink.supported(ops)
     with pytest.raises(nflink.NflinkError) as info:
-        nflink.apply(text, netns=a)
+        nflink.apply(ops, netns=a)
     assert info.value.errno == errno.ENOENT
     assert info.value.line == f"delete chain {T} endpoint-MISSING"
-    assert "line 4" in str(info.value)
+    assert "statement 4" in str(info.value)
     assert listing(a) == before
     # a chain still referenced by a map element cannot go: EBUSY, and again nothing changes
     svc_chain = next(c for c in nftables.render(st, CFG).state.chains if c.startswith("service-"))
     with pytest.raises(nflink.NflinkError) as info:
-        nflink.apply(f"add element {T} cluster-ips {{ 10.96.9.9 }}\nflush chain {T} {svc_chain}\n"
-                     f"delete chain {T} {svc_chain}\n", netns=a)
+        nflink.apply([Op("add", "element", "cluster-ips", el("10.96.9.9")), Op("flush", "chain", svc_chain),
+                      Op("delete", "chain", svc_chain)], netns=a)
     assert info.value.errno == errno.EBUSY
     assert listing(a) == before
     # the socket stays usable after failures
-    nflink.apply(f"add element {T} cluster-ips {{ 10.96.9.9 }}\n", netns=a)
+    nflink.apply([Op("add", "element", "cluster-ips", el("10.96.9.9"))], netns=a)
     assert "10.96.9.9" in listing(a)
 
 
 @needs_netns
 def test_missing_namespace_is_a_clear_error():
     with pytest.raises(nflink.NflinkError, match="no network namespace"):
-        nflink.apply(f"add chain {T} x\n", netns=f"cdns-nfl-absent-{os.getpid()}")
+        nflink.apply([Op("add", "chain", "x")], netns=f"cdns-nfl-absent-{os.getpid()}")
 
 
 SERVER_AND_CLIENT = textwrap.dedent("""\
@@ -388,8 +425,8 @@ def test_dnat_added_over_netlink_rewrites_packets(pair):
                                 cluster_ips=("10.96.7.7",))), _slice("t", "echo", "127.0.0.1")]
     rs = nftables.render(state_from_records(recs), CFG, previous=nftables.render(state_from_records([]), CFG).state,
                          changed={("t", "echo")})
-    assert nflink.supported(rs.text)
-    nflink.apply(rs.text, netns=a)
+    assert nflink.supported(rs.ops)
+    nflink.apply(rs.ops, netns=a)
     out = subprocess.run(["ip", "netns", "exec", a, "python3", "-c", SERVER_AND_CLIENT, "10.96.7.7"],
                          capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
@@ -417,12 +454,12 @@ def test_ipv6_batches_match_nft(pair):
     fewer = [(k, replace(r, endpoints=r.endpoints[1:]) if k == "EndpointSlice" and r.address_type == "IPv6" else r)
              for k, r in records]
     rs2 = nftables.render(state_from_records(fewer), CFG6, 6, previous=rs.state, changed=keys)
-    for text in (rs.text, rs2.text):
-        assert nflink.supported(text)
+    for r in (rs, rs2):
+        assert nflink.supported(r.ops, 6)
         with pytest.raises(nflink.Unsupported):
-            nflink.apply(text, 4, netns=a)          # the family must match the text
-        nflink.apply(text, 6, netns=a)
-        nft(b, text)
+            nflink.apply(r.ops, 4, netns=a)          # the family must match the objects
+        nflink.apply(r.ops, 6, netns=a)
+        nft(b, r.text)
         assert _blocks(listing(a, "ip6")) == _blocks(listing(b, "ip6"))
         assert listing(a, "ip6") == listing(b, "ip6")
         assert bytecode(a, "ip6") == bytecode(b, "ip6")
@@ -434,80 +471,78 @@ def test_each_form_matches_nft(pair, family):
     """Every rule and element form, including ones the step sequence does not reach, in both families."""
     a, b = pair
     fam, ipx = ("ip6", "ip6") if family == 6 else ("ip", "ip")
-    t = f"{fam} kube-proxy"
     empty = nftables.render(state_from_records([]), CFG6, family)
     nft(a, empty.text)
     nft(b, empty.text)
     if family == 4:
         host, net, odd, addr2, ranges = "10.0.1.3", "10.0.0.0/8", "10.96.0.0/12", "10.96.0.2", \
-            "203.0.113.0/25, 198.51.100.9, 192.0.2.0/24"
-        target = "10.0.1.3:8080"
+            ("203.0.113.0/25", "198.51.100.9", "192.0.2.0/24")
+        target = ("10.0.1.3", 8080)
     else:
         host, net, odd, addr2, ranges = "fd00:161::3", "fd00:161::/64", "fd00:20::/108", "fd00:20::2", \
-            "2001:db8::/64, 2001:db8:1::7, 2001:db8:2::/48"
-        target = "[fd00:161::3]:8080"
+            ("2001:db8::/64", "2001:db8:1::7", "2001:db8:2::/48")
+        target = ("fd00:161::3", 8080)
     aff = "affinity-ABCDEFGH-ns/svc/udp/dns__x/53"
-    text = textwrap.dedent(f"""\
-        add chain {t} svc
-        add chain {t} ep
-        add chain {t} ep2
-        add chain {t} fw
-        add set {t} {aff} {{ type {"ipv6_addr" if family == 6 else "ipv4_addr"} ; flags dynamic,timeout ; timeout 60s ; }}
-        add rule {t} svc {ipx} daddr {addr2} udp dport 53 {ipx} saddr != {net} jump mark-for-masquerade
-        add rule {t} svc {ipx} daddr {addr2} sctp dport 9 {ipx} saddr {odd} jump mark-for-masquerade
-        add rule {t} svc {ipx} saddr @{aff} goto ep
-        add rule {t} svc numgen random mod 3 vmap {{ 0 : goto ep , 1 : goto ep2 , 2 : goto ep }}
-        add rule {t} ep {ipx} saddr {host} jump mark-for-masquerade
-        add rule {t} ep update @{aff} {{ {ipx} saddr }}
-        add rule {t} ep meta l4proto udp dnat to {target}
-        add rule {t} ep2 {ipx} saddr {net} goto ep comment "short-circuit pod traffic"
-        add rule {t} ep2 fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"
-        add rule {t} ep2 meta l4proto sctp
-        add rule {t} ep2 accept
-        add rule {t} fw {ipx} saddr != {{ {ranges} }} drop
-        add rule {t} fw {ipx} saddr != {{ {net} }} drop
-        add element {t} service-ips {{ {addr2} . udp . 53 : goto svc }}
-        add element {t} firewall-ips {{ {addr2} . sctp . 9 comment "ns/svc:x" : goto fw }}
-        add element {t} no-endpoint-reject {{ {addr2} . tcp . 1 comment "ns/svc:y" }}
-        add element {t} no-endpoint-drop {{ {addr2} . udp . 2 }}
-        add element {t} service-nodeports {{ udp . 30053 : jump ep }}
-        add element {t} no-endpoint-nodeport-reject {{ tcp . 30054 comment "ns/svc:y" }}
-        add element {t} no-endpoint-nodeport-drop {{ sctp . 30055 }}
-        add element {t} hairpin {{ {host} . {host} }}
-        add element {t} cluster-ips {{ {addr2} }}
-        add map {t} endpoints-udp-003 {{ typeof numgen random mod 65536 : {ipx} daddr . udp dport ; flags interval ; }}
-        add map {t} endpoints-sctp-003 {{ typeof numgen random mod 65536 : {ipx} daddr . sctp dport ; flags interval ; }}
-        add chain {t} svc2
-        add rule {t} svc2 meta l4proto udp dnat to numgen random mod 65536 offset 65536 map @endpoints-udp-003
-        add rule {t} svc2 meta l4proto sctp dnat to numgen random mod 65536 map @endpoints-sctp-003
-        add element {t} endpoints-udp-003 {{ 65536-87381 : {host} . 53 }}
-        add element {t} endpoints-udp-003 {{ 87382-131071 : {addr2} . 5353 }}
-        add element {t} endpoints-sctp-003 {{ 0-65535 : {host} . 9 }}
-        """)
-    assert nflink.supported(text)
-    nflink.apply(text, family, netns=a)
-    nft(b, text)
+    addr_type = "ipv6_addr" if family == 6 else "ipv4_addr"
+    masq = Verdict("jump", "mark-for-masquerade")
+    ip, port = target
+    ops = [
+        Op("add", "chain", "svc"), Op("add", "chain", "ep"), Op("add", "chain", "ep2"), Op("add", "chain", "fw"),
+        Op("add", "set", aff, SetDecl("set", type=addr_type, flags="dynamic,timeout", timeout=60)),
+        Op("add", "rule", "svc", rule(Addr(ipx, "daddr", addr2), Dport("udp", 53), Addr(ipx, "saddr", net, neg=True),
+                                      masq)),
+        Op("add", "rule", "svc", rule(Addr(ipx, "daddr", addr2), Dport("sctp", 9), Addr(ipx, "saddr", odd), masq)),
+        Op("add", "rule", "svc", rule(Lookup((f"{ipx} saddr",), aff), Verdict("goto", "ep"))),
+        Op("add", "rule", "svc", rule(NumgenVmap(("ep", "ep2", "ep")))),
+        Op("add", "rule", "ep", rule(Addr(ipx, "saddr", host), masq)),
+        Op("add", "rule", "ep", rule(Update(aff, ipx))),
+        Op("add", "rule", "ep", rule(DnatTo("udp", ip, port))),
+        Op("add", "rule", "ep2", rule(Addr(ipx, "saddr", net), Verdict("goto", "ep"), comment="short-circuit pod traffic")),
+        Op("add", "rule", "ep2", rule(FibLocal("saddr"), masq, comment="masquerade local traffic")),
+        Op("add", "rule", "ep2", rule(L4proto("sctp"))),
+        Op("add", "rule", "ep2", rule(Verdict("accept"))),
+        Op("add", "rule", "fw", rule(AddrIn(ipx, "saddr", ranges, neg=True), Verdict("drop"))),
+        Op("add", "rule", "fw", rule(AddrIn(ipx, "saddr", (net,), neg=True), Verdict("drop"))),
+        Op("add", "element", "service-ips", el(addr2, "udp", "53", value=Verdict("goto", "svc"))),
+        Op("add", "element", "firewall-ips", el(addr2, "sctp", "9", value=Verdict("goto", "fw"), comment="ns/svc:x")),
+        Op("add", "element", "no-endpoint-reject", el(addr2, "tcp", "1", comment="ns/svc:y")),
+        Op("add", "element", "no-endpoint-drop", el(addr2, "udp", "2")),
+        Op("add", "element", "service-nodeports", el("udp", "30053", value=Verdict("jump", "ep"))),
+        Op("add", "element", "no-endpoint-nodeport-reject", el("tcp", "30054", comment="ns/svc:y")),
+        Op("add", "element", "no-endpoint-nodeport-drop", el("sctp", "30055")),
+        Op("add", "element", "hairpin", el(host, host)),
+        Op("add", "element", "cluster-ips", el(addr2)),
+        Op("add", "map", "endpoints-udp-003",
+           SetDecl("map", typeof=f"numgen random mod 65536 : {ipx} daddr . udp dport", flags="interval")),
+        Op("add", "map", "endpoints-sctp-003",
+           SetDecl("map", typeof=f"numgen random mod 65536 : {ipx} daddr . sctp dport", flags="interval")),
+        Op("add", "chain", "svc2"),
+        Op("add", "rule", "svc2", rule(DnatMap("udp", 65536, 65536, "endpoints-udp-003"))),
+        Op("add", "rule", "svc2", rule(DnatMap("sctp", 65536, 0, "endpoints-sctp-003"))),
+        Op("add", "element", "endpoints-udp-003", rng(65536, 87381, host, 53) + rng(87382, 131071, addr2, 5353)),
+        Op("add", "element", "endpoints-sctp-003", rng(0, 65535, host, 9)),
+    ]
+    assert nflink.supported(ops, family)
+    nflink.apply(ops, family, netns=a)
+    nft(b, ops_text(ops, family))
     assert listing(a, fam) == listing(b, fam)
     assert bytecode(a, fam) == bytecode(b, fam)
-    undo = textwrap.dedent(f"""\
-        delete element {t} service-ips {{ {addr2} . udp . 53 }}
-        delete element {t} firewall-ips {{ {addr2} . sctp . 9 }}
-        delete element {t} service-nodeports {{ udp . 30053 }}
-        delete element {t} cluster-ips {{ {addr2} }}
-        delete element {t} hairpin {{ {host} . {host} }}
-        delete element {t} no-endpoint-reject {{ {addr2} . tcp . 1 }}
-        delete element {t} endpoints-udp-003 {{ 65536-87381 }}
-        add element {t} endpoints-udp-003 {{ 65536-76458 : {host} . 53 }}
-        flush chain {t} svc2
-        delete chain {t} svc2
-        delete map {t} endpoints-sctp-003
-        flush chain {t} svc
-        flush chain {t} ep
-        flush chain {t} ep2
-        delete chain {t} ep
-        delete set {t} {aff}
-        """)
+    undo = [
+        Op("delete", "element", "service-ips", el(addr2, "udp", "53")),
+        Op("delete", "element", "firewall-ips", el(addr2, "sctp", "9")),
+        Op("delete", "element", "service-nodeports", el("udp", "30053")),
+        Op("delete", "element", "cluster-ips", el(addr2)),
+        Op("delete", "element", "hairpin", el(host, host)),
+        Op("delete", "element", "no-endpoint-reject", el(addr2, "tcp", "1")),
+        Op("delete", "element", "endpoints-udp-003", rng(65536, 87381)),
+        Op("add", "element", "endpoints-udp-003", rng(65536, 76458, host, 53)),
+        Op("flush", "chain", "svc2"), Op("delete", "chain", "svc2"),
+        Op("delete", "map", "endpoints-sctp-003"),
+        Op("flush", "chain", "svc"), Op("flush", "chain", "ep"), Op("flush", "chain", "ep2"),
+        Op("delete", "chain", "ep"),
+        Op("delete", "set", aff),
+    ]
     nflink.apply(undo, family, netns=a)
-    nft(b, undo)
+    nft(b, ops_text(undo, family))
     assert listing(a, fam) == listing(b, fam)
     assert bytecode(a, fam) == bytecode(b, fam)

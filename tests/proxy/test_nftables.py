@@ -557,8 +557,8 @@ def test_programmed_reads_back_the_kernel(netns):
         assert nft(netns, rs.text).returncode == 0
         for old, new in zip(states, states[1:]):
             rs = nftables.render(new, cfg, 4, previous=rs.state, changed=_changed(old, new))
-            if nflink.supported(rs.text):
-                nflink.apply(rs.text, 4, netns=netns)
+            if nflink.supported(rs.ops):
+                nflink.apply(rs.ops, 4, netns=netns)
             else:
                 assert nft(netns, rs.text).returncode == 0
             assert nftables.programmed(4, netns=netns) == _expected_programmed(new, cfg, 4)
@@ -664,8 +664,8 @@ def test_random_changes_over_netlink_equal_a_fresh_full_load(namespaces):
                 # an endpoint change touches elements only: the kernel never re-validates the table for it
                 assert all(line.split()[1] == "element" for line in lines), (step, lines)
                 element_only += 1
-            assert nflink.supported(rs.text), rs.text
-            nflink.apply(rs.text, 4, netns=live)
+            assert nflink.supported(rs.ops), rs.text
+            nflink.apply(rs.ops, 4, netns=live)
             _assert_same_state(rs.state, nftables.build(new, cfg, 4))
             if step % 6 == 5 or step == 59:
                 r = nft(fresh, nftables.render(new, cfg, 4).text)
