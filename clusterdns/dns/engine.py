@@ -560,7 +560,12 @@ class Engine:
                     return self._upstream_reply(q, reply)
                 cname = RR(label_of(q.raw_labels), 5, ttl=reply.rr[0].ttl, rdata=dnslib.CNAME(zone_label(cand)))
                 return self._upstream_reply(q, reply, prefix=[cname])
-            ans = view.lookup(cand, q.qtype)
+            big = False
+            try:
+                ans = view.lookup(cand, q.qtype, big_ok=False)
+            except BigAnswer:     # a big Service: its records made and packed off the loop
+                big = True
+                ans = await asyncio.get_running_loop().run_in_executor(None, view.lookup, cand, q.qtype)
             if ans.rcode == NXDOMAIN:
                 continue
             if ans.rcode != NOERROR:
@@ -571,7 +576,10 @@ class Engine:
                 first_ttl = ans.answer[0].ttl if isinstance(ans.answer, list) else view.ttl
                 cname = RR(label_of(q.raw_labels), 5, ttl=first_ttl, rdata=dnslib.CNAME(zone_label(cand)))
                 ans.answer = chain_records([cname], ans.answer)
-            entry = self._entry(q, ans)
+            if big:
+                entry = await asyncio.get_running_loop().run_in_executor(None, self._entry, q, ans)
+            else:
+                entry = self._entry(q, ans)
             return self._render_entry(q, entry)
         return None
 
