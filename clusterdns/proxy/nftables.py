@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -1062,26 +1063,56 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
     size = 16 if family == 6 else 4
     protos = {v: k.upper() for k, v in nflink.PROTOS.items()}
 
+    unpack = struct.unpack_from
+
+    def walk(buf: bytes):
+        """(attribute type, payload) of one attribute level, without building dicts (hot: 10^6 attributes)."""
+        pos, end = 0, len(buf)
+        while pos + 4 <= end:
+            length, kind = unpack("=HH", buf, pos)
+            if length < 4:
+                return
+            yield kind & 0x3FFF, buf[pos + 4:pos + length]
+            pos += (length + 3) & ~3
+
+    def first(buf: bytes, want: int) -> bytes | None:
+        for kind, payload in walk(buf):
+            if kind == want:
+                return payload
+        return None
+
     def data(attr: bytes) -> bytes:
-        return nflink.attrs(attr)[1][0]           # NFTA_DATA_VALUE
+        return first(attr, 1) or b""                  # NFTA_DATA_VALUE
 
     def verdict_chain(attr: bytes) -> str | None:
-        v = nflink.attrs(nflink.attrs(attr)[2][0])     # NFTA_DATA_VERDICT
-        return v[2][0].rstrip(b"\0").decode() if 2 in v else None
+        v = first(attr, 2)                            # NFTA_DATA_VERDICT
+        chain = first(v, 2) if v is not None else None
+        return chain.rstrip(b"\0").decode() if chain is not None else None
 
     def elements(set_name: str):
+        """(key, data attribute or None, flags) of each element of a named set."""
         for msg in nflink.dump(nflink.GETSETELEM, family, table + nflink._str(2, set_name), netns=netns):
             for lst in msg.get(3, ()):
-                for elem in nflink.attrs(lst).get(1, ()):
-                    yield nflink.attrs(elem)
+                for kind, elem in walk(lst):
+                    if kind != 1:
+                        continue
+                    key = value = None
+                    flags = 0
+                    for k2, payload in walk(elem):
+                        if k2 == 1:
+                            key = data(payload)
+                        elif k2 == 2:
+                            value = payload
+                        elif k2 == 3:
+                            flags = unpack(">I", payload, 0)[0]
+                    yield key, value, flags
 
     # ClusterIP port -> the dispatch chains it goes to
     ports: dict[tuple[str, str, int], str] = {}
-    for e in elements(SERVICE_IPS):
-        if 1 not in e or 2 not in e:
+    for key, value, _ in elements(SERVICE_IPS):
+        if key is None or value is None:
             continue
-        key = data(e[1][0])
-        chain = verdict_chain(e[2][0])
+        chain = verdict_chain(value)
         if chain is None or not chain.startswith(("service-", "local-")):
             continue    # externalIPs and LB IPs go to external- chains
         ip = str(ipaddress.ip_address(key[:size]))
@@ -1092,23 +1123,30 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
     direct: dict[str, str] = {}
     for msg in nflink.dump(nflink.GETRULE, family, table, netns=netns):
         chain = msg[2][0].rstrip(b"\0").decode()
-        exprs = [nflink.attrs(x) for x in nflink.attrs(msg[4][0]).get(1, ())] if 4 in msg else []
+        if not chain.startswith(("service-", "local-", "endpoint-")) or 4 not in msg:
+            continue
         offset, lookup, ep_ip = 0, None, ""
-        for ex in exprs:
-            name = ex[1][0].rstrip(b"\0").decode()
-            body = nflink.attrs(ex[2][0]) if 2 in ex else {}
+        for kind, ex in walk(msg[4][0]):
+            if kind != 1:
+                continue
+            name, body = "", {}
+            for k2, payload in walk(ex):
+                if k2 == 1:
+                    name = payload.rstrip(b"\0").decode()
+                elif k2 == 2:
+                    body = {k3: p3 for k3, p3 in walk(payload)}
             if name == "numgen":
-                offset = int.from_bytes(body[4][0], "big") if 4 in body else 0
+                offset = int.from_bytes(body[4], "big") if 4 in body else 0
             elif name == "lookup" and 3 in body:
-                lookup = body[1][0].rstrip(b"\0").decode()
+                lookup = body[1].rstrip(b"\0").decode()
             elif name == "immediate" and 2 in body:
-                value = nflink.attrs(body[2][0])
-                if 2 in value:        # a verdict: an affinity Service's endpoint chains
-                    target = verdict_chain(body[2][0])
+                verdict = first(body[2], 2)
+                if verdict is not None:        # a verdict: an affinity Service's endpoint chains
+                    target = verdict_chain(body[2])
                     if target and target.startswith("endpoint-"):
                         targets.setdefault(chain, []).append(target)
-                elif 1 in value:      # the address, then the port, of `dnat to IP:port`
-                    raw = value[1][0]
+                else:                          # the address, then the port, of `dnat to IP:port`
+                    raw = data(body[2])
                     if len(raw) == size:
                         ep_ip = str(ipaddress.ip_address(raw))
                         ep_ip = f"[{ep_ip}]" if family == 6 else ep_ip
@@ -1123,14 +1161,14 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
     in_slot: dict[tuple[str, int], set[str]] = {}
     for m, offsets in slots_wanted.items():
         wanted = set(offsets)
-        for e in elements(m):
-            if 1 not in e or 2 not in e:
+        for key, raw, flags in elements(m):
+            if key is None or raw is None or flags & 1:
                 continue   # interval ends
-            start = int.from_bytes(data(e[1][0]), "big")
+            start = int.from_bytes(key, "big")
             off = start - start % SLOT
             if off not in wanted:
                 continue
-            value = data(e[2][0])
+            value = data(raw)
             ip = str(ipaddress.ip_address(value[:size]))
             port = int.from_bytes(value[size:size + 2], "big")
             in_slot.setdefault((m, off), set()).add((f"[{ip}]" if family == 6 else ip) + f":{port}")
