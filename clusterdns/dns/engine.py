@@ -17,7 +17,6 @@ import struct
 import time
 from typing import Callable, Protocol
 
-import cachetools
 import dnslib
 from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 
@@ -49,6 +48,7 @@ from .wire import (
     pack_body,
     qname_labels,
     question_end,
+    question_labels,
     read_query,
     render,
     rotations,
@@ -56,7 +56,7 @@ from .wire import (
     udp_limit,
     with_ttl,
 )
-from .zone import Answer, BigAnswer, ZoneView
+from .zone import Answer, BigAnswer, Lru, ZoneView
 from .zone import chain as chain_records
 from .zone import label as zone_label
 
@@ -132,7 +132,7 @@ class Engine:
         self._fcache = getattr(self.forwarder, "cache", None)
         self._probes = getattr(self.forwarder, "_probes", None) or {}
         # bounded like the cache it mirrors (least recently used go)
-        self._fwd: cachetools.LRUCache = cachetools.LRUCache(max(1024, cfg.cache_size))
+        self._fwd = Lru(max(1024, cfg.cache_size))
         # the SOA authority under svc.<zone> of the current view, by (zone, offset of the zone)
         self._nx_view: ZoneView | None = None
         self._nx_entries: dict[tuple, Body] = {}
@@ -203,12 +203,14 @@ class Engine:
         decides, the answer is packed and remembered. None when resolve() must answer
         (outside the zones, transfers, not synced, big Services, answers that depend on the
         client or the upstream)."""
-        if not view.synced or question_end(data) != qend:
+        if not view.synced:
             return None
         qtype = data[end + 1] << 8 | data[end + 2]
         if qtype == AXFR or qtype == IXFR:
             return None
-        raw = qname_labels(data, qend)
+        raw = question_labels(data, end)
+        if raw is None:
+            return None
         lower = tuple(l.lower() for l in raw)
         labels = tuple(l.decode("latin-1") for l in lower)
         if names.zone_of(labels, view.zones) is None:
@@ -244,7 +246,7 @@ class Engine:
         """A forwarded answer still fresh in the cache: counted as a cache hit, TTLs counted down."""
         if data[3] & 0x10:                   # CD: a key of its own
             key = key[:-1] + bytes((key[-1] | 1,))
-        f = self._fwd.get(key)
+        f = self._fwd.hit(key)
         if f is None or self._probes:
             return None
         left = self._fcache.fresh_hit(f.ckey, f.centry)

@@ -321,6 +321,23 @@ def question_end(data: bytes) -> int:
     return -1
 
 
+def question_labels(data: bytes, end: int) -> tuple[bytes, ...] | None:
+    """The raw labels of the question name, walked from offset 12; None unless the walk ends
+    on the zero byte at `end` (read_query found it by a search: a label may hold a zero
+    byte) and the name is at most 255 octets."""
+    labels = []
+    pos = 12
+    while pos < end:
+        length = data[pos]
+        if length == 0 or length > 63:
+            return None
+        labels.append(data[pos + 1:pos + 1 + length])
+        pos += length + 1
+    if pos != end or end - 12 > 254:
+        return None
+    return tuple(labels)
+
+
 def qname_labels(data: bytes, end: int) -> tuple[bytes, ...]:
     """The raw labels of the question name ending before `end` - 4."""
     labels = []
@@ -356,4 +373,4 @@ def rotations(answer: list[RR], max_variants: int = 8) -> list[list[RR]]:
 
 
 __all__ = ["Body", "Entry", "pack_body", "ttl_offsets", "with_ttl", "render", "opt_record", "question_end", "qname_labels",
-           "udp_limit", "rotations", "read_query", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]
+           "udp_limit", "rotations", "read_query", "question_labels", "spell_zone", "zone_wire", "DNSBufferError", "QTYPE"]
