@@ -5,7 +5,9 @@
 Needs root. In a scratch network namespace (created and deleted here):
 * full load: `nft -f` of the full render into an empty namespace, and again
   over the existing table (the full text deletes and recreates it), `--loads`
-  times each; the render is timed separately;
+  times each; the same objects as one netlink batch, and an in-place resync
+  (render(previous=..., resync=True)) as one netlink batch; the render is
+  timed separately;
 * one-endpoint change: render(previous=..., changed={key}) + the netlink batch
   (what the proxier does), `--runs` times, each on another Service;
 * a new Service (10 endpoints): render + netlink batch, `--runs` times;
@@ -83,6 +85,18 @@ def main() -> int:
         print(f"full nft -f into an empty namespace:  {med(empty, 1, 's')}   (old layout: {OLD_FULL_S:.0f} s, "
               f"{OLD_FULL_S / statistics.median(empty):.0f}x)")
         print(f"full nft -f over the existing table:  {med(existing, 1, 's')}")
+        nl_empty, nl_resync = [], []
+        for _ in range(args.loads):
+            subprocess.run(["ip", "netns", "exec", ns, "nft", "flush", "ruleset"], check=True)
+            t0 = time.perf_counter()
+            nflink.apply(full.ops, 4, netns=ns, full=True)
+            nl_empty.append(time.perf_counter() - t0)
+            resync = nftables.render(store.current, CFG, previous=full.state, resync=True, cache=cache)
+            t0 = time.perf_counter()
+            nflink.apply(resync.ops, 4, netns=ns, full=True)
+            nl_resync.append(time.perf_counter() - t0)
+        print(f"full netlink batch into an empty namespace: {med(nl_empty, 1, 's')}")
+        print(f"full resync (in place) as a netlink batch:  {med(nl_resync, 1, 's')}")
 
         reads = []
         for _ in range(args.loads):

@@ -242,6 +242,24 @@ class NftExecutor:
         await self.apply(text)
         return "nft"
 
+    async def apply_full(self, text: str, ops=()) -> str:
+        """A full transaction (the whole table): one nfnetlink batch encoded from `ops` when
+        nflink encodes every operation (no nft process, no cache of the old table), else
+        `nft -f` of the text. Returns the path used."""
+        netns = self.netlink_netns
+        if ops and netns is not False and netns is not True:
+            from . import nflink
+            if nflink.supported(ops, self.family, full=True):
+                try:
+                    await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns, full=True)
+                    return "netlink"
+                except nflink.Unsupported:
+                    pass
+                except (nflink.NflinkError, OSError) as exc:
+                    raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
+        await self.apply(text)
+        return "nft"
+
     async def table_exists(self, table: str = NFT_TABLE, probe: str = "cluster-ips") -> bool:
         """Whether our table is there, by listing one small set of it.
 

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from .nftobj import (
     Addr,
     AddrIn,
+    BaseChain,
+    CtState,
+    CtStatus,
     DnatMap,
     DnatTo,
     Dport,
@@ -36,12 +39,16 @@ from .nftobj import (
     FibLocal,
     L4proto,
     Lookup,
+    MarkIsZero,
+    MarkSet,
+    Masquerade,
     NumgenVmap,
     Op,
     Rule,
     SetDecl,
     Update,
     Verdict,
+    Vmap,
 )
 
 NETLINK_NETFILTER = 12
@@ -57,12 +64,22 @@ NLM_F_APPEND = 0x800
 NLA_F_NESTED = 0x8000
 
 # nf_tables message types
+NEWTABLE, DELTABLE = 0, 2
 NEWCHAIN, DELCHAIN, NEWRULE, DELRULE = 3, 5, 6, 8
 NEWSET, DELSET, NEWSETELEM, DELSETELEM, NEWGEN, GETGEN = 9, 11, 12, 14, 15, 16
 
 NFPROTO_IPV4, NFPROTO_IPV6 = 2, 10
 NFT_REG_VERDICT, NFT_REG_1, NFT_REG_2 = 0, 1, 2
-NFT_JUMP, NFT_GOTO = -3, -4
+NFT_JUMP, NFT_GOTO, NFT_RETURN = -3, -4, -5
+NFT_CT_STATE, NFT_CT_STATUS = 0, 2
+NFT_META_MARK = 3
+NF_CT_STATE_NEW = 0x08
+IPS_DST_NAT = 0x20
+NF_NAT_RANGE_PROTO_RANDOM_FULLY = 0x10
+NFT_REJECT_ICMP_UNREACH = 0
+HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 4}
+# named set types: (type id, length)
+TYPES = {"ipv4_addr": (7, 4), "ipv6_addr": (8, 16), "inet_proto": (12, 1), "inet_service": (13, 2)}
 NF_DROP, NF_ACCEPT = 0, 1
 NFT_PAYLOAD_NETWORK, NFT_PAYLOAD_TRANSPORT = 1, 2
 NFT_CMP_EQ, NFT_CMP_NEQ = 0, 1
@@ -71,7 +88,7 @@ NFT_NAT_DNAT = 1
 NF_NAT_RANGE_PROTO_SPECIFIED = 0x2
 NFT_NG_RANDOM = 1
 NFT_FIB_RESULT_ADDRTYPE = 3
-NFTA_FIB_F_SADDR = 1
+NFTA_FIB_F_SADDR, NFTA_FIB_F_DADDR = 1, 2
 RTN_LOCAL = 2
 NFT_SET_ANONYMOUS, NFT_SET_CONSTANT, NFT_SET_MAP = 0x1, 0x2, 0x8
 NFT_DATA_VERDICT = 0xFFFFFF00
@@ -86,6 +103,12 @@ _ADDR_SET_UDATA = bytes.fromhex("000402000000")
 _NUMGEN_MAP_UDATA = bytes.fromhex("000401000000" "010400000000" "04080004010000000100" "060400000000")
 
 # ... and for the anonymous interval set of `ip[6] saddr != { CIDR, ... }` (key typeof ip[6] saddr, auto-merge)
+_ANON_SET_UDATA = {
+    (4, "daddr"): bytes.fromhex("000402000000" "020401000000" "0314" "000407000000" "010c" "00040c000000"
+                                "01040c000000"),
+    (6, "daddr"): bytes.fromhex("000402000000" "020401000000" "0314" "000407000000" "010c" "00040d000000"
+                                "010409000000"),
+}
 _SADDR_SET_UDATA = {
     4: bytes.fromhex("000402000000" "020401000000" "0314" "000407000000" "010c" "00040c000000" "01040b000000"),
     6: bytes.fromhex("000402000000" "020401000000" "0314" "000407000000" "010c" "00040d000000" "010408000000"),
@@ -244,6 +267,7 @@ class _Batch:
         self.family: int | None = None
         self.set_ids: dict[str, int] = {}    # named sets created in this batch: rules refer to them by id too
         self.current_line = 0
+        self.full = False     # the base layout's forms are allowed (a full transaction)
 
     def add(self, kind: int, flags: int, body: bytes, line: int) -> None:
         self.msgs.append(_Msg(kind, flags, body, line))
@@ -329,7 +353,7 @@ def _rule(batch: _Batch, family: int, chain: str, r: Rule, line: int) -> None:
             last_was_addr = True
             continue
         last_was_addr = False
-        if kind is AddrIn:
+        if kind is AddrIn and not (batch.full and st.field == "daddr"):
             # `ip saddr != { CIDR, ... }`: LoadBalancerSourceRanges
             if st.ipx != ipword or st.field != "saddr" or not st.neg:
                 raise Unsupported(f"set match {st.text()}")
@@ -372,7 +396,7 @@ def _rule(batch: _Batch, family: int, chain: str, r: Rule, line: int) -> None:
             exprs.append(_payload(*saddr))
             exprs.append(_expr("dynset", _u32(3, NFT_DYNSET_OP_UPDATE), _u32(4, NFT_REG_1), _str(1, st.set),
                                *_set_ref(batch, st.set, 2)))
-        elif kind is Verdict:
+        elif kind is Verdict and st.kind in _VERDICTS:
             exprs.append(_immediate_verdict(*_verdict_code(st)))
         elif kind is NumgenVmap:
             if not st.targets:
@@ -394,7 +418,10 @@ def _rule(batch: _Batch, family: int, chain: str, r: Rule, line: int) -> None:
             exprs.append(_expr("lookup", _u32(2, NFT_REG_1), _u32(3, NFT_REG_VERDICT), _str(1, "__map%d"),
                                _u32(4, set_id)))
         else:
-            raise Unsupported(f"statement {st.text()!r}")
+            base = _base_stmt(batch, st, family) if batch.full else None
+            if base is None:
+                raise Unsupported(f"statement {st.text()!r}")
+            exprs += base
     if not exprs:
         raise Unsupported("empty rule")
     attrs = [_str(1, TABLE), _str(2, chain), _nest(4, *exprs)]
@@ -403,7 +430,8 @@ def _rule(batch: _Batch, family: int, chain: str, r: Rule, line: int) -> None:
     batch.add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, _fam_hdr(_nfproto(family)) + b"".join(attrs), line)
 
 
-def _saddr_not_in(batch: _Batch, family: int, items: tuple[str, ...]) -> bytes:
+def _saddr_not_in(batch: _Batch, family: int, items: tuple[str, ...], field: str = "saddr",
+                  neg: bool = True) -> bytes:
     """An anonymous constant interval set of networks, and the inverted lookup in it, as nft sends them.
 
     Only disjoint, non-adjacent ranges that neither start at the lowest address nor end
@@ -411,7 +439,7 @@ def _saddr_not_in(batch: _Batch, family: int, items: tuple[str, ...]) -> bytes:
     """
     bits = 32 if family == 4 else 128
     if len(items) == 1:
-        return _addr_match("saddr", True, items[0].strip(), family)   # nft drops a one-element set
+        return _addr_match(field, neg, items[0].strip(), family)   # nft drops a one-element set
     ranges = []
     for item in items:
         try:
@@ -442,11 +470,146 @@ def _saddr_not_in(batch: _Batch, family: int, items: tuple[str, ...]) -> bytes:
     batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
         _str(1, TABLE), _str(2, "__set%d"), _u32(3, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_INTERVAL),
         _u32(4, NFT_TYPE_IPADDR if family == 4 else NFT_TYPE_IP6ADDR), _u32(5, size), _u32(10, set_id),
-        _nest(9, _u32(1, len(elems))), _attr(13, _SADDR_SET_UDATA[family]))), batch.current_line)
+        _nest(9, _u32(1, len(elems))), _attr(13, _ANON_SET_UDATA[(family, field)]))), batch.current_line)
     batch.add(NEWSETELEM, NLM_F_CREATE, hdr + b"".join((
         _str(1, TABLE), _str(2, "__set%d"), _u32(4, set_id), _nest(3, *elems))), batch.current_line)
-    return (_payload(NFT_PAYLOAD_NETWORK, 12 if family == 4 else 8, size)
-            + _expr("lookup", _u32(2, NFT_REG_1), _str(1, "__set%d"), _u32(4, set_id), _u32(5, NFT_LOOKUP_F_INV)))
+    offset = {("saddr", 4): 12, ("daddr", 4): 16, ("saddr", 6): 8, ("daddr", 6): 24}[(field, family)]
+    inv = [_u32(5, NFT_LOOKUP_F_INV)] if neg else []
+    return (_payload(NFT_PAYLOAD_NETWORK, offset, size)
+            + _expr("lookup", _u32(2, NFT_REG_1), _str(1, "__set%d"), _u32(4, set_id), *inv))
+
+
+_ANON_SET_UDATA.update({(4, "saddr"): _SADDR_SET_UDATA[4], (6, "saddr"): _SADDR_SET_UDATA[6]})
+
+# ---------------------------------------------------------------- the base layout (full transactions)
+
+
+def _field_loads(fields: tuple[str, ...], family: int) -> list[bytes]:
+    """Concatenated field loads into consecutive registers, as nft allocates them (reg 1, then 32-bit regs)."""
+    out = []
+    used = 0
+    for f in fields:
+        reg = NFT_REG_1 if used == 0 else 8 + used // 4
+        if f in ("ip saddr", "ip daddr", "ip6 saddr", "ip6 daddr"):
+            ipx, which = f.split()
+            if (ipx == "ip6") != (family == 6):
+                raise Unsupported(f"field {f} in an IPv{family} table")
+            size = 16 if family == 6 else 4
+            offset = {("saddr", 4): 12, ("daddr", 4): 16, ("saddr", 6): 8, ("daddr", 6): 24}[(which, family)]
+            out.append(_expr("payload", _u32(1, reg), _u32(2, NFT_PAYLOAD_NETWORK), _u32(3, offset), _u32(4, size)))
+        elif f == "meta l4proto":
+            size = 1
+            out.append(_expr("meta", _u32(2, NFT_META_L4PROTO), _u32(1, reg)))
+        elif f == "th dport":
+            size = 2
+            out.append(_expr("payload", _u32(1, reg), _u32(2, NFT_PAYLOAD_TRANSPORT), _u32(3, 2), _u32(4, 2)))
+        else:
+            raise Unsupported(f"field {f}")
+        used += (size + 3) & ~3
+    return out
+
+
+def _lookup(batch: _Batch, st, family: int, verdict: bool) -> list[bytes]:
+    name = st.map if verdict else st.set
+    dreg = [_u32(3, NFT_REG_VERDICT)] if verdict else []
+    return _field_loads(st.fields, family) + [
+        _expr("lookup", _u32(2, NFT_REG_1), *dreg, _str(1, name), *_set_ref(batch, name, 4))]
+
+
+def _ct_bits(key: int, mask: int) -> list[bytes]:
+    return [_expr("ct", _u32(1, NFT_REG_1), _u32(2, key)),
+            _expr("bitwise", _u32(1, NFT_REG_1), _u32(2, NFT_REG_1), _u32(3, 4),
+                  _value(4, struct.pack("=I", mask)), _value(5, b"\0\0\0\0")),
+            _cmp(NFT_CMP_NEQ, b"\0\0\0\0")]
+
+
+def _mark(mask: int, xor: int, then_set: bool) -> list[bytes]:
+    out = [_expr("meta", _u32(2, NFT_META_MARK), _u32(1, NFT_REG_1)),
+           _expr("bitwise", _u32(1, NFT_REG_1), _u32(2, NFT_REG_1), _u32(3, 4),
+                 _value(4, struct.pack("=I", mask)), _value(5, struct.pack("=I", xor)))]
+    if then_set:
+        out.append(_expr("meta", _u32(2, NFT_META_MARK), _u32(3, NFT_REG_1)))
+    return out
+
+
+def _base_stmt(batch: _Batch, st, family: int) -> list[bytes] | None:
+    """The statements only the base layout uses; None for the others."""
+    kind = type(st)
+    if kind is CtState and st.state == "new":
+        return _ct_bits(NFT_CT_STATE, NF_CT_STATE_NEW)
+    if kind is CtStatus and st.status == "dnat":
+        return _ct_bits(NFT_CT_STATUS, IPS_DST_NAT)
+    if kind is Lookup:
+        return _lookup(batch, st, family, False)
+    if kind is Vmap:
+        return _lookup(batch, st, family, True)
+    if kind is MarkIsZero:
+        return _mark(int(st.mask, 0), 0, False) + [_cmp(NFT_CMP_EQ, b"\0\0\0\0")]
+    if kind is MarkSet and st.op == "xor":
+        return _mark(0xFFFFFFFF, int(st.mask, 0), True)
+    if kind is MarkSet and st.op == "or":
+        m = int(st.mask, 0)
+        return _mark(~m & 0xFFFFFFFF, m, True)
+    if kind is Masquerade:
+        return [_expr("masq", _u32(1, NF_NAT_RANGE_PROTO_RANDOM_FULLY))]
+    if kind is FibLocal and st.field == "daddr":
+        return [_expr("fib", _u32(1, NFT_REG_1), _u32(2, NFT_FIB_RESULT_ADDRTYPE), _u32(3, NFTA_FIB_F_DADDR)),
+                _cmp(NFT_CMP_EQ, struct.pack("=I", RTN_LOCAL))]
+    if kind is AddrIn and st.field == "daddr":
+        return [_saddr_not_in(batch, family, st.items, "daddr", st.neg)]
+    if kind is Verdict and st.kind == "return":
+        return [_immediate_verdict(NFT_RETURN, None)]
+    if kind is Verdict and st.kind == "reject":
+        return [_expr("reject", _u32(1, NFT_REJECT_ICMP_UNREACH), _attr(2, bytes((4 if family == 6 else 3,))))]
+    return None
+
+
+def _set_type(spec: str) -> tuple[int, int]:
+    """(type id, length) of `a . b . c` as the kernel stores concatenations (6 bits per type, 4-byte fields)."""
+    ident, length = 0, 0
+    for part in spec.split(" . "):
+        if part not in TYPES:
+            raise Unsupported(f"set type {part}")
+        t, size = TYPES[part]
+        ident = ident << 6 | t
+        length += (size + 3) & ~3
+    return ident, (length if " . " in spec else TYPES[spec][1])
+
+
+def _udata_tlv(kind: int, payload: bytes) -> bytes:
+    return bytes((kind, len(payload))) + payload
+
+
+def _named_set(batch: _Batch, family: int, kind: str, name: str, decl: SetDecl, index: int) -> None:
+    """A named set or map of the base layout (`type ... [: verdict] ; comment "..."`)."""
+    if not decl.type or decl.flags or decl.timeout:
+        raise Unsupported(f"add {kind} {name} {decl.text()}")
+    key, _, data = decl.type.partition(" : ")
+    is_map = kind == "map"
+    if is_map != (data == "verdict"):
+        raise Unsupported(f"{kind} {name} of {decl.type}")
+    key_type, key_len = _set_type(key)
+    concat = " . " in key
+    udata = _udata_tlv(0, struct.pack("=I", 0 if concat else 2))       # key byte order
+    if is_map:
+        udata += _udata_tlv(1, struct.pack("=I", 0))                    # data byte order
+    if concat:
+        udata += bytes.fromhex("0308" "00040d000000" "0100")
+    if is_map:
+        udata += _udata_tlv(6, struct.pack("=I", 0))
+    if decl.comment:
+        udata += _udata_tlv(7, decl.comment.encode() + b"\0")
+    attrs = [_str(1, TABLE), _str(2, name)]
+    if is_map:
+        attrs.append(_u32(3, NFT_SET_MAP))
+    attrs += [_u32(4, key_type), _u32(5, key_len)]
+    if is_map:
+        attrs += [_u32(6, NFT_DATA_VERDICT), _u32(7, 0)]
+    set_id = batch.next_set_id
+    batch.next_set_id += 1
+    batch.set_ids[name] = set_id
+    attrs += [_u32(10, set_id), _attr(13, udata)]
+    batch.add(NEWSET, NLM_F_CREATE, _fam_hdr(_nfproto(family)) + b"".join(attrs), index)
 
 
 def _set_ref(batch: _Batch, name: str, id_attr: int) -> list[bytes]:
@@ -515,9 +678,30 @@ def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
     hdr = _fam_hdr(_nfproto(family))
     table = _str(1, TABLE)
     verb, kind, name, body = op
-    if kind == "chain":
-        if body is not None:
+    if kind == "table" and batch.full and name == TABLE:
+        if verb == "add":
+            udata = [_attr(6, _udata_tlv(0, str(body).encode() + b"\0"))] if body else []
+            batch.add(NEWTABLE, NLM_F_CREATE, hdr + _str(1, TABLE) + b"".join(udata), index)
+        elif verb == "delete" and body is None:
+            batch.add(DELTABLE, 0, hdr + _str(1, TABLE), index)
+        else:
+            raise Unsupported(f"{verb} table")
+        return
+    if kind == "chain" and body is not None:
+        if not batch.full or verb != "add" or not isinstance(body, BaseChain) or body.hook not in HOOKS \
+                or body.type not in ("filter", "nat"):
             raise Unsupported("chain declarations (base chains)")
+        hook = _nest(4, _u32(1, HOOKS[body.hook]), _u32(2, body.priority))
+        batch.add(NEWCHAIN, NLM_F_CREATE, hdr + table + _str(3, name) + hook + _str(7, body.type), index)
+        return
+    if kind in ("set", "map") and verb == "add" and batch.full and isinstance(body, SetDecl) and body.type \
+            and not name.startswith(AFFINITY_PREFIX):
+        _named_set(batch, family, kind, name, body, index)
+        return
+    if kind in ("set", "map") and verb == "flush" and batch.full and body is None:
+        batch.add(DELSETELEM, 0, hdr + table + _str(2, name), index)      # no element list: every element
+        return
+    if kind == "chain":
         if verb == "add":
             batch.add(NEWCHAIN, NLM_F_CREATE, hdr + table + _str(3, name), index)
         elif verb == "flush":
@@ -572,18 +756,20 @@ def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
         raise Unsupported(f"{verb} {kind} {name}")
 
 
-def _encode(ops, family: int) -> _Batch:
+def _encode(ops, family: int, full: bool = False) -> _Batch:
     batch = _Batch()
     batch.family = family
+    batch.full = full
     for index, op in enumerate(ops):
         _op(batch, family, op, index)
     return batch
 
 
-def supported(ops, family: int = 4) -> bool:
-    """Whether every operation of this transaction is one `apply` encodes itself."""
+def supported(ops, family: int = 4, full: bool = False) -> bool:
+    """Whether every operation of this transaction is one `apply` encodes itself
+    (full: also the table, base chains, named sets and base rules of a full transaction)."""
     try:
-        _encode(ops, family)
+        _encode(ops, family, full)
     except Unsupported:
         return False
     return True
@@ -681,14 +867,14 @@ def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
     return _header(16 + len(body), kind, flags, seq) + body
 
 
-def apply(ops, family: int = 4, *, netns: str | None = None) -> None:
+def apply(ops, family: int = 4, *, netns: str | None = None, full: bool = False) -> None:
     """Send the operations (nftobj.Op) as one nfnetlink batch; NflinkError (nothing applied) on failure.
 
     Raises Unsupported (an NflinkError; nothing sent) for an operation this module does not encode
     (check with `supported` first). `netns` names a namespace under /run/netns.
     """
     ops = list(ops)
-    batch = _encode(ops, family)
+    batch = _encode(ops, family, full)
     if not batch.msgs:
         return
     t = f"{'ip6' if family == 6 else 'ip'} {TABLE}"

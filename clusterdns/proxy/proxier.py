@@ -234,8 +234,7 @@ class NftablesBackend:
             return SyncOutcome()
         try:
             if rs.full:
-                await self.exe.apply(rs.text)
-                self.last_path = "nft"
+                self.last_path = await self.exe.apply_full(rs.text, rs.ops)
             else:
                 self.last_path = await self.exe.apply_small(rs.text, rs.ops)
         except ApplyError:

@@ -108,6 +108,9 @@ def test_removed_endpoint_leaves_rotation_and_conntrack(proxy, cluster):
         assert {a[0] for a in fresh} == set(keep)
         if proxy.mode == "nftables":   # the small change went in as a netlink batch, not nft -f
             assert "incremental transaction" in proxy.logs() and "via netlink" in proxy.logs()
+            # and the first, full, sync went in as one netlink batch too
+            assert any("full transaction" in line and line.endswith("via netlink")
+                       for line in proxy.logs().splitlines())
     finally:
         write_manifest(proxy.path, manifest())
         time.sleep(0.6)
