@@ -224,7 +224,7 @@ class _UdpReceiver:
         self.flush_req = False
         self.flushed = threading.Event()
         self.stopping = False
-        self.thread = threading.Thread(target=self._run, name=f"dns-udp-{_show(host, port)}", daemon=True)
+        self.thread = threading.Thread(target=self._main, name=f"dns-udp-{_show(host, port)}", daemon=True)
 
     def start(self) -> None:
         self.sock.setblocking(True)
@@ -254,6 +254,13 @@ class _UdpReceiver:
         """Give the loop thread what was counted so far; start a new table (thread side)."""
         self.outbox.append(self.local.udp)
         self.local.udp = {}
+
+    def _main(self) -> None:
+        io = _Mmsg.make(self.sock)
+        if io is None:
+            self._run()
+        else:
+            self._run_batched(io)
 
     def _run(self) -> None:
         sock, fast, service, local = self.sock, self.service.engine.fast, self.service, self.local
@@ -304,6 +311,54 @@ class _UdpReceiver:
                 self._handoff()
                 call(self.drain_into, self.stats)
 
+    def _run_batched(self, io: "_Mmsg") -> None:
+        """_run with recvmmsg/sendmmsg: every datagram waiting (up to _Mmsg.N) in one call,
+        the replies in one call (the kernel's per-call cost shared; ~15% more queries per
+        CPU-second under dnsperf than one recvfrom/sendto each)."""
+        fast, service, local, sock = self.service.engine.fast, self.service, self.local, self.sock
+        lock = service.engine_lock
+        count = local.fast_udp
+        slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
+        near_full = metrics.RAW_LIMIT - io.N
+        receive, datagram, add_reply, send, addr_of = io.receive, io.datagram, io.add_reply, io.send, io.addr_of
+        while True:
+            got = receive()
+            if got <= 0:
+                if self.stopping:
+                    return
+                continue          # EINTR, ENOMEM...: keep receiving
+            started = perf_counter()
+            for i in range(got):
+                data = datagram(i)
+                if not data:      # a wake-up, shutdown, an empty or oversized datagram
+                    if self.stopping:
+                        return
+                    if self.flush_req:
+                        self.flush_req = False
+                        self._handoff()
+                        self.flushed.set()
+                    continue
+                try:
+                    with lock:
+                        reply = fast(data, False)
+                except Exception:
+                    reply = service.panic(data)
+                    if reply is not None:
+                        try:
+                            sock.sendto(reply, addr_of(i))
+                        except OSError:
+                            pass
+                    local.record(data, reply, False, started, metrics.SERVER)
+                    continue
+                if reply is None or not add_reply(i, reply):
+                    call(slow, self, data, addr_of(i), started)
+                    continue
+                count(data, reply, started)
+            send()
+            if len(local.udp) >= near_full:      # odd traffic: let the loop fold it
+                self._handoff()
+                call(self.drain_into, self.stats)
+
     # -- loop thread -------------------------------------------------------------------
 
     def drain_into(self, stats: metrics.ServerStats) -> None:
@@ -321,6 +376,111 @@ class _UdpReceiver:
                     have[1] += v[1]
             if len(mine) >= metrics.RAW_LIMIT:
                 metrics.ServerStats.fold(stats)
+
+
+class _Mmsg:
+    """recvmmsg/sendmmsg on one UDP socket through libc (ctypes; the GIL is released during
+    the calls): fixed buffers of N slots, datagram i of a receive answered from slot i's
+    source address. Python's socket module has neither call."""
+
+    N = 64          # datagrams per call
+    SLOT = 4096     # bytes per datagram; a bigger query (never a sane one) is dropped
+    NAME = 32       # a sockaddr_in6 fits
+    MSG_WAITFORONE = 0x10000
+    MSG_TRUNC = 0x20
+
+    @classmethod
+    def make(cls, sock: socket.socket) -> "_Mmsg | None":
+        if os.environ.get("CLUSTERDNS_RECVMMSG", "1") == "0":     # the benchmark's comparison
+            return None
+        try:
+            return cls(sock)
+        except (OSError, AttributeError, ImportError):   # no such libc calls here
+            return None
+
+    def __init__(self, sock: socket.socket) -> None:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        c = ctypes
+
+        class iovec(c.Structure):
+            _fields_ = [("base", c.c_void_p), ("len", c.c_size_t)]
+
+        class msghdr(c.Structure):
+            _fields_ = [("name", c.c_void_p), ("namelen", c.c_uint32), ("iov", c.c_void_p),
+                        ("iovlen", c.c_size_t), ("control", c.c_void_p), ("controllen", c.c_size_t),
+                        ("flags", c.c_int)]
+
+        class mmsghdr(c.Structure):
+            _fields_ = [("hdr", msghdr), ("len", c.c_uint32)]
+
+        N, SLOT, NAME = self.N, self.SLOT, self.NAME
+        self.recvmmsg, self.sendmmsg = libc.recvmmsg, libc.sendmmsg
+        self.recvmmsg.argtypes = [c.c_int, c.c_void_p, c.c_uint, c.c_int, c.c_void_p]
+        self.sendmmsg.argtypes = [c.c_int, c.c_void_p, c.c_uint, c.c_int]
+        self.fd, self.family = sock.fileno(), sock.family
+        self.namelen = 16 if sock.family == socket.AF_INET else 28
+        self.size = c.sizeof(mmsghdr)
+        rbuf, sbuf, names = (c.create_string_buffer(N * SLOT), c.create_string_buffer(N * SLOT),
+                             c.create_string_buffer(N * NAME))
+        riov, siov = (iovec * N)(), (iovec * N)()
+        rh, sh = (mmsghdr * N)(), (mmsghdr * N)()
+        self._keep = (rbuf, sbuf, names, riov, siov, rh, sh)      # the kernel writes into these
+        for i in range(N):
+            riov[i].base, riov[i].len = c.addressof(rbuf) + i * SLOT, SLOT
+            siov[i].base = c.addressof(sbuf) + i * SLOT
+            rh[i].hdr.name, rh[i].hdr.namelen = c.addressof(names) + i * NAME, NAME
+            rh[i].hdr.iov, rh[i].hdr.iovlen = c.addressof(riov) + i * c.sizeof(iovec), 1
+            sh[i].hdr.namelen = self.namelen
+            sh[i].hdr.iov, sh[i].hdr.iovlen = c.addressof(siov) + i * c.sizeof(iovec), 1
+        self.rmv, self.smv = memoryview(rbuf).cast("B"), memoryview(sbuf).cast("B")
+        self.rhmv, self.shmv = memoryview(rh).cast("B"), memoryview(sh).cast("B")
+        self.siovmv, self.nmv = memoryview(siov).cast("B"), memoryview(names).cast("B")
+        self.names_at, self.rh_at, self.sh_at = c.addressof(names), c.addressof(rh), c.addressof(sh)
+        self.len_at, self.flags_at = mmsghdr.len.offset, msghdr.flags.offset
+        self.iov_len_at, self.iov_size = iovec.len.offset, c.sizeof(iovec)
+        self.u32 = struct.Struct("I").unpack_from
+        self.i32 = struct.Struct("i").unpack_from
+        self.ptr = struct.Struct("P").pack_into
+        self.size_t = struct.Struct("N").pack_into
+        self.n = 0      # replies queued for send()
+
+    def receive(self) -> int:
+        """Block until at least one datagram is waiting; how many were read (<= 0: an error)."""
+        self.n = 0
+        return self.recvmmsg(self.fd, self.rh_at, self.N, self.MSG_WAITFORONE, None)
+
+    def datagram(self, i: int) -> bytes:
+        at = i * self.size
+        if self.i32(self.rhmv, at + self.flags_at)[0] & self.MSG_TRUNC:
+            return b""
+        n = self.u32(self.rhmv, at + self.len_at)[0]
+        return bytes(self.rmv[i * self.SLOT:i * self.SLOT + n])
+
+    def add_reply(self, i: int, reply: bytes) -> bool:
+        """Queue `reply` to the sender of datagram i; False if it does not fit a slot."""
+        j = self.n
+        if len(reply) > self.SLOT:
+            return False
+        self.smv[j * self.SLOT:j * self.SLOT + len(reply)] = reply
+        self.size_t(self.siovmv, j * self.iov_size + self.iov_len_at, len(reply))
+        self.ptr(self.shmv, j * self.size, self.names_at + i * self.NAME)
+        self.n = j + 1
+        return True
+
+    def send(self) -> None:
+        sent, n = 0, self.n
+        while sent < n:
+            r = self.sendmmsg(self.fd, self.sh_at + sent * self.size, n - sent, 0)
+            sent += r if r > 0 else 1       # a reply the kernel refused (EPERM...) is skipped
+        self.n = 0
+
+    def addr_of(self, i: int) -> tuple:
+        raw = bytes(self.nmv[i * self.NAME:i * self.NAME + self.namelen])
+        port = raw[2] << 8 | raw[3]
+        if self.family == socket.AF_INET:
+            return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port, 0, int.from_bytes(raw[24:28], "little")
 
 
 class _Locked:

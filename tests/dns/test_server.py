@@ -617,6 +617,9 @@ async def test_ipv6_listener():
         for query in (dns.asyncquery.udp, dns.asyncquery.tcp):
             r = await query(dns.message.make_query("fast.example.", "A"), "::1", port=port, timeout=2)
             assert r.answer[0][0].address == "192.0.2.1"
+            # through resolve(): the reply goes back to the IPv6 client's address
+            r = await query(dns.message.make_query("other.example.", "A"), "::1", port=port, timeout=2)
+            assert r.answer[0][0].strings == (b"other.example.",)
     finally:
         await service.stop()
 
@@ -727,15 +730,24 @@ def _requests_total(port: int, proto: str, qtype: str) -> float:
                and f'type="{qtype}"' in ln)
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-async def test_udp_receive_threads_answer_and_count_exactly_at_scrape(workers):
-    """Answers come from receive threads (one per SO_REUSEPORT socket with --workers); a scrape
-    right after the last answer counts every query, also those still held by a thread."""
+@pytest.mark.parametrize("workers,batched", [(1, True), (3, True), (1, False), (3, False)])
+async def test_udp_receive_threads_answer_and_count_exactly_at_scrape(workers, batched, monkeypatch):
+    """Answers come from receive threads (one per SO_REUSEPORT socket with --workers), batched
+    (recvmmsg/sendmmsg) or one datagram per call; a scrape right after the last answer counts
+    every query, also those still held by a thread."""
+    from clusterdns.dns.server import _Mmsg
+    if not batched:
+        monkeypatch.setenv("CLUSTERDNS_RECVMMSG", "0")
+    elif _Mmsg.make(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) is None:
+        pytest.skip("no recvmmsg/sendmmsg in this C library")
     service = DnsService(cfg_for("--workers", str(workers)), StateStore(), engine=EngineDouble())
     await service.start()
     try:
         host, port = service.bound[0]
         assert len(service._receivers) == workers
+        # an oversized datagram is dropped, the thread goes on
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as junk:
+            junk.sendto(b"\x12\x34" + b"\x00" * 5000, (host, port))
         assert all(r.thread.is_alive() for r in service._receivers)
         answered = await _udp_burst(host, port, 600)
         assert answered == 600
