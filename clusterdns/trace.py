@@ -271,15 +271,8 @@ _SRC = re.compile(r"(?<!! )-s (\S+)")
 
 
 def _iptables_tables(text: str) -> dict[str, list[str]]:
-    tables: dict[str, list[str]] = {}
-    table = ""
-    for line in text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-            tables.setdefault(table, [])
-        elif line.startswith(("-A ", "-I ")) and table:
-            tables[table].append(line)
-    return tables
+    from .proxy import iptsave
+    return {name: [r.line for r in t.rules] for name, t in iptsave.read(text).items()}
 
 
 def _chain_of(rule: str) -> str:
