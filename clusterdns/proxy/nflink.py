@@ -49,6 +49,7 @@ from .nftobj import (
     Update,
     Verdict,
     Vmap,
+    element_of,
 )
 
 NETLINK_NETFILTER = 12
@@ -318,13 +319,6 @@ def _addr_match(field: str, neg: bool, text: str, family: int) -> bytes:
     bitwise = _expr("bitwise", _u32(1, NFT_REG_1), _u32(2, NFT_REG_1), _u32(3, size),
                     _value(4, mask), _value(5, b"\0" * size))
     return _payload(NFT_PAYLOAD_NETWORK, offset, size) + bitwise + _cmp(op, net.network_address.packed)
-
-
-def _element_of(t: tuple) -> Element:
-    key, value, comment, interval, spelled = t
-    if value is not None and type(value) is tuple:
-        value = Endpoint(*value) if interval else Verdict(*value)
-    return Element(key, value, comment, interval, spelled)
 
 
 _VERDICTS = {"drop": NF_DROP, "accept": NF_ACCEPT, "jump": NFT_JUMP, "goto": NFT_GOTO}
@@ -642,8 +636,7 @@ def _element_key(set_name: str, key: tuple, family: int) -> bytes:
 
 
 def _element(name: str, elem: Element, verb: str, family: int) -> bytes:
-    if type(elem) is not Element:
-        elem = _element_of(elem)      # the plain tuple the table state keeps
+    elem = element_of(elem)           # an Element, or the flat tuple the table state keeps
     if _ENDPOINTS_NAME.match(name):
         # `lo-hi : address . port`: a start element and an interval-end element
         if not elem.interval or elem.comment:
