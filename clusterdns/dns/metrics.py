@@ -336,13 +336,15 @@ class DnsCollector:
         build.add_metric([VERSION, "clusterdns", "python"], 1)
         yield build
 
-        yield from self._cache(servers[0].server if servers else "dns://")
+        # A stopped server's counters stay exported, but the cache belongs to the one serving now.
+        serving = [s for s in servers if getattr(s, "receivers", None)] or servers
+        yield from self._cache(serving[0].server if serving else "dns://")
         yield from self._forward()
 
     @staticmethod
     def _cache(server: str):
         """The cache's counters with CoreDNS's labels. One cache serves every listener of the
-        DNS server, so its series carry the first listener's `server` label."""
+        DNS server, so its series carry the first serving listener's `server` label."""
         extra = {"server": server, "zones": ZONE, "view": ""}
         for metric in (cache_requests, cache_hits, cache_misses, cache_served_stale, cache_evictions):
             for family in metric.collect():
