@@ -1,10 +1,11 @@
 """The DNS server: UDP and TCP sockets around the engine.
 
-UDP: each socket is answered by a receive thread of its own (blocking
-recvfrom, engine.fast(bytes), sendto; no event-loop step, task or parse per
-query); only when fast() returns None is the query handed to the event loop,
-where a task runs engine.resolve() and sends the reply. The thread counts its
-answers in a table of its own, handed to the loop thread at scrape. With
+UDP: each socket is answered by a receive thread of its own (a blocking
+recvmmsg for every datagram waiting, engine.fast(bytes) for each, one sendmmsg
+for the replies; recvfrom/sendto where libc lacks those; no event-loop step,
+task or parse per query); only when fast() returns None is the query handed to
+the event loop, where a task runs engine.resolve() and sends the reply. The
+thread counts its answers in a table of its own, handed over at scrape. With
 --workers N every listen address gets N SO_REUSEPORT sockets and threads.
 TCP (on the event loop) reads length-prefixed queries, answers pipelined
 queries as they complete (several in flight per connection, RFC 7766), closes
