@@ -640,6 +640,17 @@ class DnsService:
                 writer.close()
         return handle
 
+    async def _tcp_sweep(self) -> None:
+        """Close TCP connections idle (no answer in flight, no whole query read) for
+        TCP_IDLE_TIMEOUT, checked a few times per timeout."""
+        while True:
+            await asyncio.sleep(min(1.0, TCP_IDLE_TIMEOUT / 4))
+            now = monotonic()
+            for conn in list(self._tcp_conns.values()):
+                if not conn.inflight and now - conn.last > TCP_IDLE_TIMEOUT:
+                    self._tcp_conns.pop(conn.writer, None)
+                    conn.writer.transport.abort()
+
     def _evict_idle(self) -> bool:
         """Close the connection idle the longest (no query in flight); False if none is idle."""
         oldest = None
@@ -672,6 +683,8 @@ class DnsService:
         fast, elock = self.engine.fast, self.engine_lock
         pending: set[asyncio.Future] = set()
         lock = asyncio.Lock()   # keeps each framed reply contiguous on the stream
+        transport = writer.transport
+        high = transport.get_write_buffer_limits()[1]
 
         async def send(replies: list[bytes]) -> None:
             async with lock:
@@ -685,11 +698,14 @@ class DnsService:
                         self._note("tcp-gone", "%d TCP client(s) went away with answers in flight")
                         raise ConnectionError("client went away") from None
                     raise
+                if transport.get_write_buffer_size() <= high:
+                    await writer.drain()      # not paused: returns at once (no task, no timer)
+                    return
                 try:
                     # A client that stops reading must not hold the connection forever.
                     await asyncio.wait_for(writer.drain(), TCP_IDLE_TIMEOUT)
                 except asyncio.TimeoutError:
-                    writer.transport.abort()
+                    transport.abort()
                     raise ConnectionError("client stopped reading") from None
 
         async def slow(data: bytes, started: float) -> None:
@@ -709,10 +725,11 @@ class DnsService:
                 conn.last = monotonic()
 
         while True:
+            # no timeout per read (a timer and a task per query): _tcp_sweep closes idle ones
             try:
-                size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_TIMEOUT))[0]
-                data = await asyncio.wait_for(reader.readexactly(size), TCP_IDLE_TIMEOUT)
-            except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+                size = struct.unpack("!H", await reader.readexactly(2))[0]
+                data = await reader.readexactly(size)
+            except (asyncio.IncompleteReadError, ConnectionError):
                 break
             conn.last = monotonic()
             started = perf_counter()
@@ -770,6 +787,9 @@ class DnsService:
         except BaseException:
             await self.stop()
             raise
+        sweep = asyncio.ensure_future(self._tcp_sweep())
+        self.tasks.add(sweep)
+        sweep.add_done_callback(self.tasks.discard)
         if self.forwarder is not None and getattr(self.forwarder, "upstreams", None):
             task = asyncio.ensure_future(self._detect_loops())
             self.tasks.add(task)

@@ -630,6 +630,7 @@ async def test_idle_tcp_connection_is_closed(double_server, monkeypatch):
     service, _ = double_server
     host, port = addr(service)
     conns = [await asyncio.open_connection(host, port) for _ in range(2)]
+    conns[1][1].write(b"\x00")                 # half a length prefix, then nothing: idle too
     for r, w in conns:                                                 # idle ones closed after 0.3 s
         assert await asyncio.wait_for(r.read(1), 3) == b""
         w.close()
