@@ -201,8 +201,8 @@ class _Stats(metrics.ServerStats):
 
 
 class _UdpReceiver:
-    """One UDP socket answered by a thread of its own: blocking recvfrom, engine.fast(),
-    sendto, with no event-loop step per query. Misses go to the event loop (resolve() in a
+    """One UDP socket answered by a thread of its own: blocking receive (recvmmsg batches,
+    or recvfrom), engine.fast(), send, with no event-loop step per query. Misses go to the event loop (resolve() in a
     task) and are sent from there. The engine is read through one reference per query
     (Engine.fast reads its current view once), so a state swap needs no coordination.
 
@@ -298,15 +298,16 @@ class _UdpReceiver:
                     except OSError:
                         pass
                 local.record(data, reply, False, started, metrics.SERVER)
-                continue
-            if reply is None:
-                call(slow, self, data, addr, started)
-                continue
-            try:
-                sendto(reply, addr)
-            except OSError:
-                pass
-            count(data, reply, started)
+                n |= check           # the table's size is checked below
+            else:
+                if reply is None:
+                    call(slow, self, data, addr, started)
+                    continue
+                try:
+                    sendto(reply, addr)
+                except OSError:
+                    pass
+                count(data, reply, started)
             n += 1
             if not n & check and len(local.udp) >= near_full:   # odd traffic: let the loop fold it
                 self._handoff()
