@@ -160,6 +160,22 @@ class Agent:
         self.dns = DnsService(self.cfg, self.view, reuse_port=True, **kwargs)
         await self.dns.start()
 
+    async def _replace_dns(self) -> None:
+        """Bind the new listeners before closing the old ones: a reload onto an address
+        that cannot be bound raises and leaves the running server as it was."""
+        from .dns.server import DnsService
+        kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
+        new = DnsService(self.cfg, self.view, reuse_port=True, **kwargs)
+        try:
+            await new.start()
+        except BaseException:
+            self.view.unsubscribe(new._on_state)
+            raise
+        old, self.dns = self.dns, new
+        if old is not None:
+            await old.stop()
+            self.view.unsubscribe(old._on_state)
+
     async def _stop_dns(self) -> None:
         if self.dns is None:
             return
@@ -362,6 +378,19 @@ class Agent:
             RELOADS.labels("unchanged").inc()
             return True
         log.info("reload: changed %s", ", ".join(sorted(changed)))
+        dns_changed = bool(changed - SOURCE_FIELDS - PROXY_FIELDS - HEALTH_FIELDS) or "local_ips" in changed
+        if dns_changed and not changed & LOCAL_FIELDS:
+            # DNS first: when its new listeners cannot be bound, nothing else has changed yet
+            # and the whole running configuration is kept.
+            try:
+                await self._replace_dns()
+            except Exception as exc:
+                self.cfg = old
+                self.reload_errors += 1
+                RELOADS.labels("failed").inc()
+                log.error("reload failed, keeping the running configuration: DNS: %s", exc)
+                return False
+            dns_changed = False
         try:
             if changed & SOURCE_FIELDS:
                 task = self._tasks.pop("source", None)
@@ -385,10 +414,8 @@ class Agent:
                 self.localdns = None
             if changed & LOCAL_FIELDS:
                 await self._start_localdns()
-            dns_changed = changed - SOURCE_FIELDS - PROXY_FIELDS - HEALTH_FIELDS
-            if dns_changed or "local_ips" in changed:
-                await self._stop_dns()
-                await self._start_dns()
+            if dns_changed:
+                await self._replace_dns()
             if changed & HEALTH_FIELDS:
                 await self.health.stop()
                 await self._start_health()

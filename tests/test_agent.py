@@ -416,7 +416,8 @@ async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
         assert (await ask(port, A_NAME))[2] == 5
         conf.write_text("ttl: 17\nmin-sync-period: 0\n")
         assert await until(lambda: _ttl(agent, A_NAME, 17), timeout=5)
-        assert agent.cfg.ttl == 17 and agent.reloads == 1
+        assert await until(lambda: _value(agent.reloads == 1), timeout=5)   # the old listener closes after
+        assert agent.cfg.ttl == 17
         assert agent.proxier.cfg.min_sync_period == 0
         # The proxier and the source restart on a reload that changes their options;
         # the agent keeps running and changes keep flowing.
@@ -440,6 +441,42 @@ async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
         assert await asyncio.wait_for(waiting, 5) == 0
     finally:
         await agent.stop()
+
+
+async def test_reload_onto_a_busy_port_keeps_the_running_listener(tmp_path):
+    import socket
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    first, busy, third = free_port(), free_port(), free_port()
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(f"listen: ['127.0.0.1:{first}']\nmin-sync-period: 0\n")
+    argv = ["agent", "--manifest", str(tmp_path / "cluster.json"), "--no-upstream", "--health-listen", "none",
+            "--metrics-listen", "none", "--proxy-metrics-listen", "none", "--lameduck", "0", "--config", str(conf)]
+    # Another program holds the new port (UDP and TCP, without SO_REUSEPORT).
+    holders = [socket.socket(socket.AF_INET, kind) for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM)]
+    for h in holders:
+        h.bind(("127.0.0.1", busy))
+    holders[1].listen()
+    agent, port = await started(load(argv, env={}), SlowKernel(), argv=argv)
+    try:
+        assert port == first
+        assert await until(lambda: _answers(first, A_NAME, "10.96.0.5"))
+        conf.write_text(f"listen: ['127.0.0.1:{busy}']\nmin-sync-period: 0\nttl: 9\n")
+        assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
+        # The old listener still answers, with the old configuration, and nothing else moved.
+        assert agent.dns.bound == [("127.0.0.1", first)]
+        assert agent.cfg.ttl == 5 and agent.cfg.listen_addresses() == [("127.0.0.1", first)]
+        assert await ask(first, A_NAME) == ("NOERROR", ["10.96.0.5"], 5)
+        # A later reload onto a free port moves the listener.
+        conf.write_text(f"listen: ['127.0.0.1:{third}']\nmin-sync-period: 0\nttl: 9\n")
+        assert await until(lambda: _value(agent.reloads >= 1), timeout=5)
+        assert agent.dns.bound == [("127.0.0.1", third)]
+        assert await ask(third, A_NAME) == ("NOERROR", ["10.96.0.5"], 9)
+        with pytest.raises(Exception):
+            await ask(first, A_NAME)
+    finally:
+        await agent.stop()
+        for h in holders:
+            h.close()
 
 
 async def _ttl(agent, name, want):
