@@ -195,6 +195,7 @@ import asyncio  # noqa: E402
 
 import aiohttp  # noqa: E402
 import dns.asyncquery  # noqa: E402
+import dns.exception  # noqa: E402
 import dns.message  # noqa: E402
 import dns.rcode  # noqa: E402
 import pytest  # noqa: E402
@@ -471,7 +472,7 @@ async def test_reload_onto_a_busy_port_keeps_the_running_listener(tmp_path):
         assert await until(lambda: _value(agent.reloads >= 1), timeout=5)
         assert agent.dns.bound == [("127.0.0.1", third)]
         assert await ask(third, A_NAME) == ("NOERROR", ["10.96.0.5"], 9)
-        with pytest.raises(Exception):
+        with pytest.raises(dns.exception.Timeout):
             await ask(first, A_NAME)
     finally:
         await agent.stop()
