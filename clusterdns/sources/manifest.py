@@ -166,8 +166,23 @@ def _load_yaml(text: str, limits: Limits) -> list[Any]:
             reason = _YAML_LINE.sub("", first).replace("at , column", "at column").strip(" ,") or first
             raise ManifestError("", int(m.group(1)) if m else None, reason[:200]) from None
         # several documents come back as a list of them; one list document is flattened alike
-        return data if isinstance(data, list) else [data]
+        docs = data if isinstance(data, list) else [data]
+        _check_keys(docs)
+        return docs
     return _load_pyyaml(text, limits)   # pragma: no cover
+
+
+def _check_keys(docs: list[Any]) -> None:
+    """YAML 1.2 reads text such as `: : x` as mappings with null keys, which YAML 1.1
+    (kubectl, PyYAML) refuses as broken; no Kubernetes document has a key that is not a
+    string, so a document or object with one is a broken file, not an empty one."""
+    for doc in docs:
+        items = doc.get("items") if isinstance(doc, dict) else None
+        for obj in [doc, *(items if isinstance(items, list) else ())]:
+            if isinstance(obj, dict) and not all(isinstance(k, str) for k in obj):
+                bad = next(k for k in obj if not isinstance(k, str))
+                raise ManifestError("", None, f"a mapping key that is not a string ({_printable(bad)}): "
+                                              "not a Kubernetes document")
 
 
 def _load_pyyaml(text: str, limits: Limits) -> list[Any]:  # pragma: no cover - fallback

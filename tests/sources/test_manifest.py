@@ -228,6 +228,16 @@ def test_deep_nesting_is_a_broken_file_not_a_crash(tmp_path, text):
         load_files([str(f)])
 
 
+@pytest.mark.parametrize("text", [": : broken [yaml\n", "apiVersion: v1\nkind: List\nitems:\n: : broken [yaml\n",
+                                  "kind: List\napiVersion: v1\nitems:\n- {? [a]: b}\n"])
+def test_mappings_with_keys_that_are_not_strings_are_a_broken_file(tmp_path, text):
+    # YAML 1.2 reads these as mappings with null or list keys; kubectl's YAML refuses them.
+    f = tmp_path / "broken.yaml"
+    write(f, text)
+    with pytest.raises(ManifestError, match="not a string"):
+        load_files([str(f)])
+
+
 ALIAS_BOMB = """a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
 b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
 c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
