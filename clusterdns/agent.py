@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from .config import ConfigError, load
+from . import handover
 from .dnsview import DNS_PROGRAMMING, DnsView, needs_rules
 from .health import HealthServer
 from .localdns import LocalDNS, LocalDNSError
@@ -45,13 +46,17 @@ PROXY_FIELDS = {"node_name", "node_ips", "cluster_cidrs", "service_cidrs", "masq
                 "masquerade_bit", "nodeport_addresses", "localhost_nodeports", "proxy_mode", "apply",
                 "ip_family", "sync_period", "min_sync_period", "demo"}
 HEALTH_FIELDS = {"health_listen", "metrics_listen", "proxy_metrics_listen", "proxy_mode"}
-AGENT_FIELDS = {"lameduck", "log_level", "config_file", "loop", "command", "cleanup"}
+AGENT_FIELDS = {"lameduck", "lameduck_handover", "log_level", "config_file", "loop", "command", "cleanup"}
 LOCAL_FIELDS = {"local_ips", "apply", "demo"}
 
 # How long a start whose kernel holds a previous process's rules waits, at most,
 # for the Services to be listed before DNS listens anyway (the previous process,
 # in lameduck, keeps answering meanwhile; see Agent.start).
 DNS_START_WAIT = 30.0
+# How long, at most, a restarted agent waits for its first rule sync before DNS listens
+# while another process (the previous agent, in lameduck or not yet stopped) still
+# answers on the same DNS addresses.
+DNS_HANDOVER_WAIT = 120.0
 
 
 def changed_fields(old, new) -> set[str]:
@@ -195,7 +200,8 @@ class Agent:
         self._spawn("localdns", self.localdns.run())
 
     async def _start_health(self) -> None:
-        health = HealthServer(self.cfg, roles=("dns",) if self.cfg.proxy_mode == "none" else ("dns", "proxy"))
+        health = HealthServer(self.cfg, roles=("dns",) if self.cfg.proxy_mode == "none" else ("dns", "proxy"),
+                              reuse_port=True)
         self._add_ready_checks(health)
 
         async def proxier_health(request):
@@ -253,11 +259,38 @@ class Agent:
             return
         if not self.view.adopting:
             return
+        if self._predecessor_answers():
+            # Another process answers on our addresses: let it, until this one has nothing
+            # heavy left to do (the first full render and load hold the GIL for long
+            # stretches, and half the queries would come here once we listen).
+            log.info("another process answers on %s: DNS listens after the first rule sync",
+                     ", ".join(f"{h}:{p}" for h, p in self.cfg.listen_addresses()))
+            hand_end = time.monotonic() + DNS_HANDOVER_WAIT
+            while time.monotonic() < hand_end and self.view.applied_version < 0:
+                if not self._predecessor_answers():
+                    log.info("the other process stopped answering; DNS listens now")
+                    break
+                await asyncio.sleep(0.05)
+            if self.view.applied_version >= 0:
+                return
         while time.monotonic() < end:
             if self.store.current.is_synced("Service", "EndpointSlice") or self.view.applied_version >= 0:
                 return
             await asyncio.sleep(0.02)
         log.warning("Services not listed %gs after start; DNS listens anyway", limit)
+
+    def _predecessor_answers(self) -> bool:
+        addrs = self.cfg.listen_addresses()
+        if any(port == 0 for _, port in addrs):
+            return False
+        return handover.others_on(addrs)
+
+    def _successor_listens(self) -> bool:
+        """Another process has bound every one of our DNS addresses (UDP)."""
+        if self.dns is None or not self.dns.bound:
+            return True
+        ours = {handover.inode(r.sock) for r in self.dns._receivers}
+        return handover.others_on(self.dns.bound, ours)
 
     async def _stop_proxier(self) -> None:
         if self.proxier is None:
@@ -278,9 +311,9 @@ class Agent:
         self._start_source()          # a broken manifest raises here
         self._start_proxier()
         await self._start_localdns()  # before DNS: it listens on these addresses
+        await self._start_health()    # probes are answered (/ready 503) while DNS waits
         await self._wait_for_dns_start()
         await self._start_dns()
-        await self._start_health()
         if self.cfg.config_file:
             self._spawn("config-watch", self._watch_config())
 
@@ -321,10 +354,28 @@ class Agent:
         if not code and self.cfg.lameduck > 0:
             log.info("shutting down: lameduck for %gs (still answering, /ready 503)", self.cfg.lameduck)
             self.health.lameduck = True
+            t0 = time.monotonic()
             await asyncio.sleep(self.cfg.lameduck)
+            await self._hand_over(t0 + self.cfg.lameduck_handover)
         waiter.cancel()
         await self.stop()
         return code
+
+    async def _hand_over(self, until: float) -> None:
+        """Go on answering until a successor listens on our DNS addresses (or `until`):
+        with SO_REUSEPORT it shares them, so no query goes unanswered between the two."""
+        if any(port == 0 for _, port in self.cfg.listen_addresses()):
+            return   # a port picked at bind time: no successor can share it
+        if time.monotonic() >= until or self._successor_listens():
+            return
+        log.info("lameduck: answering until another process listens on the DNS addresses "
+                 "(at most %gs more)", until - time.monotonic())
+        while time.monotonic() < until:
+            if self._successor_listens():
+                log.info("another process listens on the DNS addresses; stopping")
+                return
+            await asyncio.sleep(0.05)
+        log.info("no other process listens on the DNS addresses; stopping anyway")
 
     async def stop(self) -> None:
         """Stop serving. Rules and local addresses stay in the kernel, as kube-proxy's and

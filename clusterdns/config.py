@@ -75,6 +75,7 @@ class Config:
     # agent
     local_ips: tuple[str, ...] = ()
     lameduck: float = 5.0
+    lameduck_handover: float = 20.0        # lameduck goes on until a successor listens, up to this
     metrics_listen: str = "127.0.0.1:9153"
     proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
     health_listen: str = "127.0.0.1:8080"
@@ -199,6 +200,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a("--min-sync-period", type=float, default=S)
     a("--local-ip", dest="local_ips", action="append", metavar="IP", default=S)
     a("--lameduck", type=float, default=S, metavar="SECONDS")
+    a("--lameduck-handover", type=float, default=S, metavar="SECONDS",
+      help="after --lameduck, keep answering until another process listens on the DNS "
+           "addresses, up to this many seconds after the signal; 0 disables")
     a("--metrics-listen", default=S, metavar="HOST:PORT", help="coredns_* metrics; 'none' disables")
     a("--proxy-metrics-listen", default=S, metavar="HOST:PORT",
       help="kubeproxy_* and rest_client_* metrics (kube-proxy's 127.0.0.1:10249); 'none' disables")
@@ -313,8 +317,8 @@ def _validate(cfg: Config) -> Config:
         err("--masquerade-bit must be between 0 and 31")
     if cfg.namespaces and cfg.namespace_labels:
         err("--namespaces and --namespace-labels cannot be combined")
-    if cfg.lameduck < 0:
-        err("--lameduck must not be negative")
+    if cfg.lameduck < 0 or cfg.lameduck_handover < 0:
+        err("--lameduck and --lameduck-handover must not be negative")
     if not 1 <= cfg.workers <= 64:
         err(f"--workers {cfg.workers}: must be between 1 and 64")
     if cfg.tcp_max_connections < 1:

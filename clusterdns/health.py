@@ -88,13 +88,16 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
 
 class HealthServer:
     def __init__(self, cfg: Config | None = None, *, addresses: list[tuple[str, int]] | None = None,
-                 roles: tuple[str, ...] = ("dns",)) -> None:
+                 roles: tuple[str, ...] = ("dns",), reuse_port: bool = False) -> None:
         if addresses is not None:
             # Everything on each address (tests, embedding).
             self.listeners = [Listener(h, p, True, [metrics.REGISTRY], ["health", "metrics"]) for h, p in addresses]
         else:
             self.listeners = plan(cfg, roles)
         self.lameduck = False
+        # SO_REUSEPORT (the agent): a successor can bind the same ports while this process
+        # runs (a DaemonSet rollout with maxSurge), as the DNS sockets do
+        self.reuse_port = reuse_port
         self._checks: dict[str, Callable[[], bool]] = {}
         self._routes: dict[str, Handler] = {"/health": self._health, "/ready": self._ready}
         self._runners: list[web.AppRunner] = []
@@ -164,7 +167,8 @@ class HealthServer:
     async def _bind(self, listener: Listener) -> None:
         runner = web.AppRunner(self._app(listener), access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True)
+        site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True,
+                           reuse_port=(self.reuse_port and listener.port != 0) or None)
         try:
             await site.start()
         except OSError as exc:

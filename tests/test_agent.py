@@ -524,7 +524,7 @@ async def test_signals_in_a_real_process(tmp_path):
         [sys.executable, "-m", "clusterdns", "agent", "--manifest", str(tmp_path / "cluster.json"),
          "--listen", f"127.0.0.1:{port}", "--no-upstream", "--proxy-mode", "none", "--config", str(conf),
          "--health-listen", f"127.0.0.1:{hport}", "--metrics-listen", "none", "--proxy-metrics-listen", "none", "--lameduck", "1.5",
-         "--loop", "asyncio"], stderr=subprocess.PIPE, text=True)
+         "--lameduck-handover", "0", "--loop", "asyncio"], stderr=subprocess.PIPE, text=True)
     try:
         assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"), timeout=10)
         conf.write_text("ttl: 9\n")
@@ -558,3 +558,110 @@ async def _ttl_at(port, name, want):
         return (await ask(port, name))[2] == want
     except Exception:
         return False
+
+
+def _successor_socket(port):
+    """A socket bound as a restarted agent's would be (SO_REUSEPORT on the same address)."""
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", port))
+    return s
+
+
+async def test_lameduck_answers_until_a_successor_listens(tmp_path):
+    """After --lameduck the agent keeps answering while no other process listens on its DNS
+    address; once one binds it (SO_REUSEPORT), it stops, and queries reach the successor."""
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    port = free_port()
+    cfg = load(["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", f"127.0.0.1:{port}",
+                "--no-upstream", "--proxy-mode", "none", "--health-listen", "127.0.0.1:0",
+                "--metrics-listen", "none", "--proxy-metrics-listen", "none",
+                "--lameduck", "0.1", "--lameduck-handover", "60"], env={})
+    agent = Agent(cfg)
+    await agent.start()
+    successor = None
+    try:
+        assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"))
+        agent.begin_shutdown()
+        waiter = asyncio.ensure_future(agent.wait())
+        await asyncio.sleep(0.6)                      # well past the 0.1 s lameduck
+        assert not waiter.done()
+        assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]   # still answering
+        successor = _successor_socket(port)
+        assert await asyncio.wait_for(waiter, 10) == 0
+        # the old sockets are closed: a query now reaches the successor
+        q = dns.message.make_query(A_NAME, "A")
+        successor.settimeout(5)
+        send = asyncio.ensure_future(dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=3))
+        data, _ = await asyncio.get_running_loop().run_in_executor(None, successor.recvfrom, 512)
+        assert dns.message.from_wire(data).question == q.question
+        send.cancel()
+    finally:
+        if successor is not None:
+            successor.close()
+        await agent.stop()
+
+
+async def test_lameduck_handover_is_bounded(tmp_path):
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+    port = free_port()
+    cfg = load(["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", f"127.0.0.1:{port}",
+                "--no-upstream", "--proxy-mode", "none", "--health-listen", "127.0.0.1:0",
+                "--metrics-listen", "none", "--proxy-metrics-listen", "none",
+                "--lameduck", "0.1", "--lameduck-handover", "0.8"], env={})
+    agent = Agent(cfg)
+    await agent.start()
+    try:
+        assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"))
+        agent.begin_shutdown()
+        waiter = asyncio.ensure_future(agent.wait())
+        await asyncio.sleep(0.4)
+        assert not waiter.done() and (await ask(port, A_NAME))[1] == ["10.96.0.5"]
+        assert await asyncio.wait_for(waiter, 10) == 0   # no successor: it stops at the bound
+        with pytest.raises((ConnectionRefusedError, dns.exception.Timeout)):
+            await ask(port, A_NAME)
+    finally:
+        await agent.stop()
+
+
+async def test_restarted_agent_listens_after_its_first_sync_while_another_answers(tmp_path, monkeypatch):
+    """Rules in the kernel (adoption) and another process on the DNS address: the new agent
+    leaves the answering to it until its own first rule sync is done; then it listens."""
+    from clusterdns.proxy.proxier import Proxier
+    manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
+
+    async def programmed(self):
+        return {("10.96.0.5", "TCP", 8080): frozenset({"10.0.0.1:8080"})}
+    monkeypatch.setattr(Proxier, "programmed", programmed)
+    port = free_port()
+    other = _successor_socket(port)        # the previous agent, still answering
+    kernel = SlowKernel()
+    kernel.gate = asyncio.Event()          # the first rule sync cannot finish yet
+    cfg = load(["agent", "--manifest", str(tmp_path / "cluster.json"), "--listen", f"127.0.0.1:{port}",
+                "--no-upstream", "--health-listen", "127.0.0.1:0", "--metrics-listen", "none",
+                "--proxy-metrics-listen", "none", "--min-sync-period", "0", "--lameduck", "0"], env={})
+    agent = Agent(cfg, executor=kernel)
+    starting = asyncio.ensure_future(agent.start())
+    try:
+        assert await until(lambda: _listed(agent))
+        assert agent.view.adopted > 0
+        await asyncio.sleep(0.3)
+        assert not starting.done() and agent.dns is None   # not listening: the other one answers
+        kernel.gate.set()
+        await asyncio.wait_for(starting, 10)
+        assert agent.proxier.syncs > 0
+        other.close()
+        other = None
+        assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]
+    finally:
+        if other is not None:
+            other.close()
+        if not starting.done():
+            kernel.gate.set()
+            await asyncio.wait_for(starting, 10)
+        await agent.stop()
+
+
+async def _listed(agent):
+    return agent.store.current.is_synced("Service", "EndpointSlice")

@@ -221,9 +221,12 @@ def inner(args) -> dict:
 
 # ---------------------------------------------------------------- restart (--restart)
 
-def _agent_argv(kubeconfig: str, mode: str, lameduck: float, ports: tuple[int, int, int]) -> list[str]:
+def _agent_argv(kubeconfig: str, mode: str, lameduck: float, ports: tuple[int, int, int],
+                watch: bool = False) -> list[str]:
     health, dns_metrics, proxy_metrics = ports
-    return [sys.executable, "-m", "clusterdns", "agent", "--kubeconfig", kubeconfig,
+    run = ([os.path.join(os.path.dirname(os.path.abspath(__file__)), "stallwatch.py")] if watch
+           else ["-m", "clusterdns"])
+    return [sys.executable, *run, "agent", "--kubeconfig", kubeconfig,
             "--listen", f"127.0.0.1:{DNS_PORT}", "--proxy-mode", mode, "--apply",
             "--min-sync-period", "1", "--sync-period", "60", "--no-upstream", "--lameduck", str(lameduck),
             "--cluster-cidr", "10.0.0.0/8", "--health-listen", f"127.0.0.1:{health}",
@@ -292,7 +295,7 @@ def inner_restart(args) -> dict:
     logs = [open(os.path.join(tmp, f"agent{i}.log"), "w") for i in (1, 2)]
     ports1, ports2 = (18095, 18096, 18097), (18195, 18196, 18197)
     t0 = time.monotonic()
-    first = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1),
+    first = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1, args.watch),
                              stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)
     second = None
     try:
@@ -316,8 +319,9 @@ def inner_restart(args) -> dict:
         th.start()
         time.sleep(1.0)
         t_term = time.monotonic()
+        wall_term = datetime.now().strftime("%H:%M:%S.%f")[:-3]
         first.terminate()
-        second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports2),
+        second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports2, args.watch),
                                   stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
         old_exit = None
         while not _ready(ports2[0]):
@@ -354,7 +358,8 @@ def inner_restart(args) -> dict:
     return {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
             "cold_first_answer_s": round(cold_answer, 2), "cold_ready_s": round(cold_ready, 2),
             "probes": len(during), "failures": len(failures), "failure_kinds": kinds,
-            "first_failures": failures[:10], "last_failure_s": failures[-1][0] if failures else None,
+            "first_failures": failures[:10], "all_failures": failures, "sigterm_at": wall_term,
+            "logs": os.path.dirname(logs[1].name), "last_failure_s": failures[-1][0] if failures else None,
             "restart_ready_s": round(restart_ready, 2),
             "old_exit_s": round(old_exit, 2), "adoption": adopted}
 
@@ -374,6 +379,9 @@ def main() -> int:
     p.add_argument("--lameduck", type=float, default=5.0, help="the first agent's --lameduck (--restart)")
     p.add_argument("--iptables-backend", choices=("legacy", "nft"), default="legacy",
                    help="iptables mode (--restart): the backend the namespace prefers")
+    p.add_argument("--watch", action="store_true",
+                   help="run the agents under bench/latency/stallwatch.py (logs GIL stalls and slow GCs) (--restart)")
+    p.add_argument("--all-failures", action="store_true", help="print every failed probe (--restart)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.inner:
@@ -389,7 +397,8 @@ def main() -> int:
         subprocess.run(["ip", "netns", "add", ns], check=True)
         try:
             extra = (["--restart", "--endpoints", str(args.endpoints), "--lameduck", str(args.lameduck),
-                      "--iptables-backend", args.iptables_backend] if args.restart else [])
+                      "--iptables-backend", args.iptables_backend]
+                     + (["--watch"] if args.watch else []) if args.restart else [])
             out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
                                   "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
                                   "--mode", args.mode, *extra], capture_output=True, text=True, cwd=ROOT)
@@ -409,6 +418,8 @@ def main() -> int:
             print(f"  failures by kind: {r['failure_kinds']}; first: {r['first_failures']}; "
                   f"last at {r['last_failure_s']}s after SIGTERM")
             print(f"  second agent: {r['adoption']}")
+            if args.all_failures:
+                print(f"  SIGTERM at {r['sigterm_at']} (logs in {r['logs']}); all failures: {r['all_failures']}")
         return 0
     print(f"{'services':>8} {'mode':>8} {'changes':>7} {'DNS med':>8} {'DNS p99':>8} {'rules med':>9} "
           f"{'rules p99':>9} {'both med':>8} {'both p99':>8} {'order viol':>10}")
