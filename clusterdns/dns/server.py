@@ -242,6 +242,29 @@ class _UdpReceiver:
         if not self.thread.is_alive():
             self._handoff()          # what it counted since the last scrape
 
+    def drain(self) -> None:
+        """Answer what is still queued on the socket (the thread has stopped), just before
+        it is closed: with SO_REUSEPORT a successor shares the address, and queries the
+        kernel gave this socket would otherwise be lost with it."""
+        sock, fast = self.sock, self.service.engine.fast
+        try:
+            sock.setblocking(False)
+            for _ in range(4096):
+                data, addr = sock.recvfrom(65535)
+                if not data:
+                    if addr is None:   # nothing queued (the socket is shut down for reading)
+                        break
+                    continue           # a wake-up datagram
+                try:
+                    with self.service.engine_lock:
+                        reply = fast(data, False)
+                    if reply is not None:
+                        sock.sendto(reply, addr)
+                except Exception:   # never in the way of the stop
+                    pass
+        except OSError:
+            pass
+
     def wake(self) -> None:
         try:
             with socket.socket(_family(self.wake_addr[0]), socket.SOCK_DGRAM) as s:
@@ -809,6 +832,7 @@ class DnsService:
             await asyncio.get_running_loop().run_in_executor(None, r.stop)
             r.stats.fold()           # keep what it counted
             r.stats.receivers.remove(r)
+            r.drain()
             r.sock.close()
         for s in self._servers:
             s.close()

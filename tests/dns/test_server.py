@@ -900,3 +900,26 @@ async def test_locked_coroutine_returns_raises_and_is_cancelled_with_the_lock_fr
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not lock.locked()
+
+
+async def test_stop_answers_queries_queued_after_the_receive_thread_ended():
+    """A query the kernel queued on the socket while the server stops (with SO_REUSEPORT a
+    successor already shares the address) is answered before the socket closes, not lost."""
+    service = DnsService(cfg_for(), StateStore(), engine=EngineDouble())
+    await service.start()
+    host, port = addr(service)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.settimeout(3)
+    try:
+        for r in service._receivers:       # the receive threads end first, as in stop()
+            r.stopping = True
+            await asyncio.get_running_loop().run_in_executor(None, r.stop)
+            assert not r.thread.is_alive()
+        q = dns.message.make_query("fast.example.", "A")
+        client.sendto(q.to_wire(), (host, port))
+        await asyncio.sleep(0.1)           # queued: nothing reads the socket now
+        await service.stop()
+        data, _ = client.recvfrom(512)
+        assert dns.message.from_wire(data).answer[0][0].address == "192.0.2.1"
+    finally:
+        client.close()

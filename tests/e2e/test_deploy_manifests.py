@@ -81,7 +81,10 @@ def test_config_file_is_accepted_by_the_agent(tmp_path):
     assert cfg.proxy_mode == "iptables"
     ds = _by_kind()["DaemonSet"]
     grace = ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > cfg.lameduck
+    assert grace > max(cfg.lameduck, cfg.lameduck_handover)
+    # Old and new pods overlap during a rollout (the hand-over needs both running).
+    rolling = ds["spec"]["updateStrategy"]["rollingUpdate"]
+    assert rolling["maxSurge"] == 1 and rolling["maxUnavailable"] == 0
     # The probes point at the port the config serves health on.
     probe_port = ds["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"]
     assert cfg.health_listen.endswith(f":{probe_port}")
