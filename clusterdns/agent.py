@@ -18,8 +18,8 @@ from dataclasses import fields
 from aiohttp import web
 from prometheus_client import Counter
 
-from .config import ConfigError, load
 from . import handover
+from .config import ConfigError, load
 from .dnsview import DNS_PROGRAMMING, DnsView, needs_rules
 from .health import HealthServer
 from .localdns import LocalDNS, LocalDNSError

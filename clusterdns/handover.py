@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Collection
 
 _LISTEN = "0A"   # TCP_LISTEN in /proc/net/tcp*
 
@@ -53,7 +54,7 @@ def inode(sock: socket.socket) -> int:
     return os.fstat(sock.fileno()).st_ino
 
 
-def others_on(addresses: list[tuple[str, int]], ours: set[int] = frozenset(), proto: str = "udp") -> bool:
+def others_on(addresses: list[tuple[str, int]], ours: Collection[int] = (), proto: str = "udp") -> bool:
     """True when every (host, port) has a socket bound that is not one of `ours`."""
     if not addresses:
         return False

@@ -222,14 +222,14 @@ def inner(args) -> dict:
 # ---------------------------------------------------------------- restart (--restart)
 
 def _agent_argv(kubeconfig: str, mode: str, lameduck: float, ports: tuple[int, int, int],
-                watch: bool = False) -> list[str]:
+                watch: bool = False, handover: float = 20.0) -> list[str]:
     health, dns_metrics, proxy_metrics = ports
     run = ([os.path.join(os.path.dirname(os.path.abspath(__file__)), "stallwatch.py")] if watch
            else ["-m", "clusterdns"])
     return [sys.executable, *run, "agent", "--kubeconfig", kubeconfig,
             "--listen", f"127.0.0.1:{DNS_PORT}", "--proxy-mode", mode, "--apply",
             "--min-sync-period", "1", "--sync-period", "60", "--no-upstream", "--lameduck", str(lameduck),
-            "--cluster-cidr", "10.0.0.0/8", "--health-listen", f"127.0.0.1:{health}",
+            "--lameduck-handover", str(handover), "--cluster-cidr", "10.0.0.0/8", "--health-listen", f"127.0.0.1:{health}",
             "--metrics-listen", f"127.0.0.1:{dns_metrics}", "--proxy-metrics-listen", f"127.0.0.1:{proxy_metrics}",
             "--log-level", "info"]
 
@@ -295,7 +295,7 @@ def inner_restart(args) -> dict:
     logs = [open(os.path.join(tmp, f"agent{i}.log"), "w") for i in (1, 2)]
     ports1, ports2 = (18095, 18096, 18097), (18195, 18196, 18197)
     t0 = time.monotonic()
-    first = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1, args.watch),
+    first = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1, args.watch, args.handover),
                              stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)
     second = None
     try:
@@ -320,24 +320,45 @@ def inner_restart(args) -> dict:
         time.sleep(1.0)
         t_term = time.monotonic()
         wall_term = datetime.now().strftime("%H:%M:%S.%f")[:-3]
-        first.terminate()
-        second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports2, args.watch),
-                                  stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
         old_exit = None
-        while not _ready(ports2[0]):
+        if args.overlap:
+            # A DaemonSet rollout with maxSurge: the new pod starts next to the old one (same
+            # health and metrics ports: SO_REUSEPORT), the old one gets SIGTERM once the new
+            # one serves. The clock (t_term) starts at the new agent's start here.
+            second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1, args.watch,
+                                                  args.handover), stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
+            while "clusterdns agent " not in open(logs[1].name).read():
+                if second.poll() is not None or time.monotonic() - t_term > 900:
+                    raise RuntimeError("second agent never listened; see " + logs[1].name)
+                time.sleep(0.05)
+            t_sigterm = time.monotonic() - t_term
+            first.terminate()
+            first.wait(120)
+            old_exit = time.monotonic() - t_term
+            restart_ready = t_sigterm
+            time.sleep(2.0)
+            stop.set()
+            results = queue.get(timeout=60)
+            th.join(10)
+        else:
+            first.terminate()
+            second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports2, args.watch,
+                                                  args.handover), stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
+        while not args.overlap and not _ready(ports2[0]):
             if second.poll() is not None or time.monotonic() - t_term > 900:
                 raise RuntimeError("second agent never became ready; see " + logs[1].name)
             if old_exit is None and first.poll() is not None:
                 old_exit = time.monotonic() - t_term
             time.sleep(0.05)
-        restart_ready = time.monotonic() - t_term
-        first.wait(60)
-        if old_exit is None:
-            old_exit = time.monotonic() - t_term
-        time.sleep(2.0)
-        stop.set()
-        results = queue.get(timeout=60)
-        th.join(10)
+        if not args.overlap:
+            restart_ready = time.monotonic() - t_term
+            first.wait(60)
+            if old_exit is None:
+                old_exit = time.monotonic() - t_term
+            time.sleep(2.0)
+            stop.set()
+            results = queue.get(timeout=60)
+            th.join(10)
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:
@@ -377,6 +398,11 @@ def main() -> int:
                    help="measure a cold start and a restart (SIGTERM + a new agent at once) instead")
     p.add_argument("--endpoints", type=int, default=10, help="endpoints per Service (--restart)")
     p.add_argument("--lameduck", type=float, default=5.0, help="the first agent's --lameduck (--restart)")
+    p.add_argument("--overlap", action="store_true",
+                   help="(--restart) start the second agent first, on the same ports, and SIGTERM the first "
+                        "once the second listens (a maxSurge rollout)")
+    p.add_argument("--handover", type=float, default=20.0,
+                   help="the agents' --lameduck-handover (--restart; 0: the lameduck alone)")
     p.add_argument("--iptables-backend", choices=("legacy", "nft"), default="legacy",
                    help="iptables mode (--restart): the backend the namespace prefers")
     p.add_argument("--watch", action="store_true",
@@ -397,7 +423,8 @@ def main() -> int:
         subprocess.run(["ip", "netns", "add", ns], check=True)
         try:
             extra = (["--restart", "--endpoints", str(args.endpoints), "--lameduck", str(args.lameduck),
-                      "--iptables-backend", args.iptables_backend]
+                      "--handover", str(args.handover), "--iptables-backend", args.iptables_backend]
+                     + (["--overlap"] if args.overlap else [])
                      + (["--watch"] if args.watch else []) if args.restart else [])
             out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
                                   "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
