@@ -10,13 +10,19 @@ import gc
 import sys
 
 from ..config import Config
+from ..sources import manifest
 from ..sources.loader import load_once
 
 
-def render_text(state, cfg: Config, mode: str, family: int) -> str:
+def render_text(state, cfg: Config, mode: str, family: int, keep: list | None = None) -> str:
+    """keep: a list that takes the rendered rule set, so that a process about to exit
+    without teardown does not free it object by object first (~0.1 s at 10,000 Services)."""
     if mode == "nftables":
         from ..proxy import nftables
-        return nftables.render(state, cfg, family).text
+        result = nftables.render(state, cfg, family)
+        if keep is not None:
+            keep.append(result)
+        return result.text
     if mode == "ipvs":
         from ..proxy import ipvs
         conf = ipvs.render(state, cfg, family)
@@ -27,15 +33,20 @@ def render_text(state, cfg: Config, mode: str, family: int) -> str:
             "# addresses on kube-ipvs0\n", "".join(f"# {a}\n" for a in conf.addresses),
         ])
     from ..proxy import iptables
-    return iptables.render(state, cfg, family).text
+    rendered = iptables.render(state, cfg, family)
+    if keep is not None:
+        keep.append(rendered)
+    return rendered.text
 
 
 def run(cfg: Config) -> int:
     # One pass over a state built once and thrown away: the cyclic collector would
     # only rescan it (about 1.5 s of 3 at 10,000 Services x 10 endpoints).
     gc.disable()
+    keep: list = []
+    manifest.KEEP_UNTIL_EXIT = keep
     mode = cfg.mode or (cfg.proxy_mode if cfg.proxy_mode != "none" else "iptables")
     state = load_once(cfg)
-    sys.stdout.write(render_text(state, cfg, mode, cfg.family))
+    sys.stdout.write(render_text(state, cfg, mode, cfg.family, keep))
     sys.stdout.flush()
     return 0
