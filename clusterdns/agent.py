@@ -266,10 +266,14 @@ class Agent:
             log.info("another process answers on %s: DNS listens after the first rule sync",
                      ", ".join(f"{h}:{p}" for h, p in self.cfg.listen_addresses()))
             hand_end = time.monotonic() + DNS_HANDOVER_WAIT
-            while time.monotonic() < hand_end and self.view.applied_version < 0:
+            while self.view.applied_version < 0:
                 if not self._predecessor_answers():
                     log.info("the other process stopped answering; DNS listens now")
                     break
+                if time.monotonic() >= hand_end:
+                    log.warning("first rule sync not done %gs after start; DNS listens anyway",
+                                DNS_HANDOVER_WAIT)
+                    return
                 await asyncio.sleep(0.05)
             if self.view.applied_version >= 0:
                 return
@@ -355,6 +359,10 @@ class Agent:
             log.info("shutting down: lameduck for %gs (still answering, /ready 503)", self.cfg.lameduck)
             self.health.lameduck = True
             t0 = time.monotonic()
+            if self.proxier is not None:
+                # The rules stay as they are; the successor (started meanwhile) programs the
+                # same table: two writers would undo each other's partial syncs.
+                await self.proxier.stop()
             await asyncio.sleep(self.cfg.lameduck)
             await self._hand_over(t0 + self.cfg.lameduck_handover)
         waiter.cancel()

@@ -382,6 +382,12 @@ async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
         assert status == 503 and "lameduck" in text
         assert (await _get(hport, "/health"))[0] == 200
         assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]   # still answering
+        # The proxier stopped at the signal: a Service added now gets no rules from this
+        # process (its successor programs it), while the source still follows the change.
+        manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
+        assert await until(lambda: _has(agent.store.current, "b"), timeout=0.35)
+        await asyncio.sleep(0.05)
+        assert not kernel.has_rules_for("10.96.0.6") and kernel.has_rules_for("10.96.0.5")
         assert await asyncio.wait_for(waiter, 3) == 0
         with pytest.raises((ConnectionRefusedError, dns.exception.Timeout)):   # nothing answers any more
             await ask(port, A_NAME)
