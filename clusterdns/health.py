@@ -23,6 +23,7 @@ the checks that do not (and "lameduck" while shutting down).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -189,7 +190,7 @@ class HealthServer:
             except OSError as exc:
                 log.debug("%s; retrying in %gs", exc, RETRY_INTERVAL)
                 continue
-            log.info("metrics now served on %s", listener.shown)
+            log.info("now serving HTTP on %s", listener.shown)
             return
 
     async def start(self) -> None:
@@ -201,7 +202,10 @@ class HealthServer:
                 try:
                     await self._bind(listener)
                 except OSError as exc:
-                    if not listener.optional:
+                    # With SO_REUSEPORT (the agent), a port in use is held by a process that
+                    # does not share it, such as a previous agent without SO_REUSEPORT during
+                    # a maxSurge rollout: wait for it to go instead of ending this start.
+                    if not listener.optional and not (self.reuse_port and exc.errno == errno.EADDRINUSE):
                         raise
                     log.error("%s; retrying every %gs", exc, RETRY_INTERVAL)
                     self._retries.append(asyncio.ensure_future(self._retry(listener)))

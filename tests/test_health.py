@@ -207,3 +207,37 @@ async def test_dns_and_proxy_metrics_on_one_address_serve_each_family_once():
         assert (await get(port, "/health"))[0] == 404
     finally:
         await srv.stop()
+
+
+async def test_with_reuse_port_a_port_held_without_it_is_waited_for(monkeypatch):
+    """The agent (reuse_port) shares its ports with a successor; a port held by a process
+    that does not share it (an agent of an earlier version during a rollout) is retried
+    until that process lets go, instead of ending the start."""
+    from clusterdns import health
+    monkeypatch.setattr(health, "RETRY_INTERVAL", 0.1)
+    cfg, ports = _listen_cfg()
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", ports["health"]))
+    taken.listen()
+    srv = HealthServer(cfg, roles=("dns", "proxy"), reuse_port=True)
+    try:
+        await srv.start()
+        assert "health" not in srv.bound_kinds
+        assert (await get(ports["dns"], "/metrics"))[0] == 200
+        taken.close()
+        for _ in range(100):
+            if "health" in srv.bound_kinds:
+                break
+            await asyncio.sleep(0.05)
+        assert await get(ports["health"], "/health") == (200, "OK")
+        # and a second server with reuse_port shares the port at once
+        other = HealthServer(cfg, roles=("dns", "proxy"), reuse_port=True)
+        await other.start()
+        try:
+            assert other.bound_kinds.get("health")
+        finally:
+            await other.stop()
+    finally:
+        taken.close()
+        await srv.stop()
