@@ -116,7 +116,7 @@ def unbound_conf(path: Path, port: int, svcs, slices) -> None:
 
 
 def query_files(tmp: Path, svcs, slices, n: int = 100_000) -> dict[str, Path]:
-    """dnsperf input for the two mixes of the issue."""
+    """dnsperf input for the two query mixes, `mix` and `search` (see README.md)."""
     rnd = random.Random(42)
     fq = [f"{s.name}.{s.namespace}.svc.{ZONE}." for s in svcs]
     ptrs = []

@@ -1,4 +1,4 @@
-"""nftables layout at scale: full load, one-endpoint change, new Service (issue 7's floors).
+"""nftables layout at scale: full load, one-endpoint change, new Service.
 
     python3 bench/proxy/nft_layout.py [--services 10000] [--endpoints 10] [--runs 20] [--loads 3]
 
@@ -13,7 +13,7 @@ Needs root. In a scratch network namespace (created and deleted here):
 * a new Service (10 endpoints): render + netlink batch, `--runs` times;
 * nftables.programmed(): what a restarted agent reads back from the kernel.
 Prints medians (min, max). The old layout's figures (kube-proxy's per-endpoint
-chains, measured on this machine when issue 7 was filed) are the baseline:
+chains, measured on this machine) are the baseline:
 full load 170 s, one-endpoint change 221-306 ms. The machine is shared by
 several sessions: expect tens of percent of noise.
 """

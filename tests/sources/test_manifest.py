@@ -117,7 +117,7 @@ async def test_source_reloads_a_changed_file(tmp_path):
         task.cancel()
 
 
-# -- hostile and broken input (issue 9) --------------------------------------------------
+# -- hostile and broken input ------------------------------------------------------------
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
@@ -459,8 +459,8 @@ def test_worker_reports_broken_files_like_the_in_process_parse(tmp_path):
 
 
 async def test_agent_reload_to_a_missing_manifest_keeps_serving_and_loads_it_later(tmp_path):
-    """issue 9: a reload to a manifest path that does not exist ended the source task and
-    later manifest edits were never loaded."""
+    """A reload to a manifest path that does not exist keeps the source running: later
+    manifest edits are loaded."""
     from clusterdns.agent import Agent
     from tests.test_agent import A_NAME, B_NAME, SlowKernel, _answers, _value, manifest, until
     manifest(tmp_path / "a.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
