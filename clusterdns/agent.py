@@ -57,6 +57,8 @@ DNS_START_WAIT = 30.0
 # while another process (the previous agent, in lameduck or not yet stopped) still
 # answers on the same DNS addresses.
 DNS_HANDOVER_WAIT = 120.0
+# At most this long without garbage collections between DNS start and the first sync.
+GC_PAUSE_LIMIT = 120.0
 
 
 def changed_fields(old, new) -> set[str]:
@@ -101,6 +103,7 @@ class Agent:
         self._last_local_check = 0.0
         self._adoption_read = asyncio.Event()
         self._gc_frozen = False
+        self._gc_paused = False   # collections off from DNS start to the first sync (adoption)
 
     # -- readiness
     def not_ready(self) -> list[str]:
@@ -134,10 +137,16 @@ class Agent:
             # hundreds of milliseconds at 10,000 Services). New objects are collected as usual.
             self._gc_frozen = True
             gc.freeze()
+            self._resume_gc()
         # A proxier full sync may insert its jumps above ours: re-check soon after.
         if self.localdns is not None and self.clock() - self._last_local_check > 5.0:
             self._last_local_check = self.clock()
             self._spawn("localdns-check", self._check_localdns())
+
+    def _resume_gc(self) -> None:
+        if self._gc_paused:
+            self._gc_paused = False
+            gc.enable()
 
     @staticmethod
     def clock() -> float:
@@ -317,6 +326,15 @@ class Agent:
         await self._start_localdns()  # before DNS: it listens on these addresses
         await self._start_health()    # probes are answered (/ready 503) while DNS waits
         await self._wait_for_dns_start()
+        if self.view.adopting and gc.isenabled():
+            # DNS answers from here on while the first full render may still run: no
+            # collections until it is in (at 10,000 Services each one scanned millions of
+            # objects, 0.1-0.7 s holding the GIL, and found no garbage); the first sync
+            # freezes what was built and collections resume. Bounded, should it never come.
+            gc.freeze()
+            gc.disable()
+            self._gc_paused = True
+            asyncio.get_running_loop().call_later(GC_PAUSE_LIMIT, self._resume_gc)
         await self._start_dns()
         if self.cfg.config_file:
             self._spawn("config-watch", self._watch_config())
@@ -388,6 +406,7 @@ class Agent:
     async def stop(self) -> None:
         """Stop serving. Rules and local addresses stay in the kernel, as kube-proxy's and
         NodeLocal DNSCache's do across restarts; `clusterdns proxy --cleanup` removes them."""
+        self._resume_gc()
         if self.proxier is not None:
             await self.proxier.stop()
         for t in self._tasks.values():
