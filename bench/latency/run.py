@@ -294,6 +294,8 @@ def inner_restart(args) -> dict:
     name, want = "svc-1.ns-1.svc.cluster.local.", str(ipaddress.ip_address(SERVICE_BASE + 2))
     logs = [open(os.path.join(tmp, f"agent{i}.log"), "w") for i in (1, 2)]
     ports1, ports2 = (18095, 18096, 18097), (18195, 18196, 18197)
+    if args.watch:
+        os.environ["STALL_DNS"] = f"127.0.0.1:{DNS_PORT}"   # stallwatch: frames while a query waits
     t0 = time.monotonic()
     first = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports1, args.watch, args.handover),
                              stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)

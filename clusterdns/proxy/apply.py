@@ -249,14 +249,16 @@ class NftExecutor:
         netns = self.netlink_netns
         if ops and netns is not False and netns is not True:
             from . import nflink
-            if nflink.supported(ops, self.family, full=True):
-                try:
-                    await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns, full=True)
-                    return "netlink"
-                except nflink.Unsupported:
-                    pass
-                except (nflink.NflinkError, OSError) as exc:
-                    raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
+            # No supported() check first: at 10,000 Services encoding the batch takes over a
+            # second, and in the event loop it held up every DNS answer that needs the loop.
+            # apply() encodes in the worker thread and raises Unsupported before sending.
+            try:
+                await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns, full=True)
+                return "netlink"
+            except nflink.Unsupported:
+                pass
+            except (nflink.NflinkError, OSError) as exc:
+                raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
         await self.apply(text)
         return "nft"
 
