@@ -228,24 +228,15 @@ class NftExecutor:
         nftobj.Op the text was encoded from) is one proxy/nflink encodes (nft 1.0.6
         loads the whole ruleset before any `nft -f`, seconds at 10,000 Services),
         else `nft -f` of the text. Returns the path used."""
-        netns = self.netlink_netns
-        if ops and netns is not False and netns is not True:
-            from . import nflink
-            if nflink.supported(ops, self.family):
-                try:
-                    await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns)
-                    return "netlink"
-                except nflink.Unsupported:
-                    pass
-                except (nflink.NflinkError, OSError) as exc:
-                    raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
-        await self.apply(text)
-        return "nft"
+        return await self._apply_ops(text, ops, full=False)
 
     async def apply_full(self, text: str, ops=()) -> str:
         """A full transaction (the whole table): one nfnetlink batch encoded from `ops` when
         nflink encodes every operation (no nft process, no cache of the old table), else
         `nft -f` of the text. Returns the path used."""
+        return await self._apply_ops(text, ops, full=True)
+
+    async def _apply_ops(self, text: str, ops, full: bool) -> str:
         netns = self.netlink_netns
         if ops and netns is not False and netns is not True:
             from . import nflink
@@ -253,7 +244,7 @@ class NftExecutor:
             # second, and in the event loop it held up every DNS answer that needs the loop.
             # apply() encodes in the worker thread and raises Unsupported before sending.
             try:
-                await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns, full=True)
+                await asyncio.to_thread(nflink.apply, ops, self.family, netns=netns, full=full)
                 return "netlink"
             except nflink.Unsupported:
                 pass
