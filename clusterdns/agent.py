@@ -183,18 +183,18 @@ class Agent:
         try:
             await new.start()
         except BaseException:
-            self.view.unsubscribe(new._on_state)
+            new.detach()
             raise
         old, self.dns = self.dns, new
         if old is not None:
             await old.stop()
-            self.view.unsubscribe(old._on_state)
+            old.detach()
 
     async def _stop_dns(self) -> None:
         if self.dns is None:
             return
         await self.dns.stop()
-        self.view.unsubscribe(self.dns._on_state)
+        self.dns.detach()
         self.dns = None
 
     async def _start_localdns(self) -> None:
@@ -313,7 +313,7 @@ class Agent:
         if task is not None:
             task.cancel()
             await _quiet(task)
-        self.store.unsubscribe(self.proxier._on_change)
+        self.proxier.detach()
         self.proxier = None
 
     # -- lifecycle

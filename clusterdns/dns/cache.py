@@ -64,7 +64,7 @@ def _ttl_of(reply: dnslib.DNSRecord) -> tuple[int, bool] | None:
     return None
 
 
-def _with_ttl(rrs: list[dnslib.RR], ttl: int) -> list[dnslib.RR]:
+def with_ttl(rrs: list[dnslib.RR], ttl: int) -> list[dnslib.RR]:
     opt = dnslib.QTYPE.OPT
     return [rr if rr.rtype == opt else dnslib.RR(rr.rname, rr.rtype, rr.rclass, ttl, rr.rdata) for rr in rrs]
 
@@ -137,7 +137,7 @@ class Cache:
         reply = dnslib.DNSRecord(
             dnslib.DNSHeader(id=request.header.id, bitmap=stored.header.bitmap),
             questions=list(request.questions),       # the asker's spelling
-            rr=_with_ttl(stored.rr, ttl), auth=_with_ttl(stored.auth, ttl), ar=_with_ttl(stored.ar, ttl))
+            rr=with_ttl(stored.rr, ttl), auth=with_ttl(stored.auth, ttl), ar=with_ttl(stored.ar, ttl))
         return reply
 
     def peek(self, key: Key | None) -> Entry | None:

@@ -23,8 +23,8 @@ from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 from ..config import Config
 from ..state import ClusterState
 from . import metrics, names, resolvconf, xfr
-from .cache import _with_ttl as records_with_ttl
 from .cache import cache_key
+from .cache import with_ttl as records_with_ttl
 from .names import Labels
 from .wire import (
     AA,
@@ -130,7 +130,7 @@ class Engine:
         self._view = ZoneView(cfg, None, None, self.selector, server_addresses)
         # forwarded answers the forwarder's cache holds, by lower-cased qname wire + qtype + DO/CD
         self._fcache = getattr(self.forwarder, "cache", None)
-        self._probes = getattr(self.forwarder, "_probes", None) or {}
+        self._probes = getattr(self.forwarder, "loop_probes", None) or {}
         # bounded like the cache it mirrors (least recently used go)
         self._fwd = Lru(max(1024, cfg.cache_size))
         # the SOA authority under svc.<zone> of the current view, by (zone, offset of the zone)

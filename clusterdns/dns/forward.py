@@ -164,7 +164,7 @@ class Forward:
         self.max_fails, self.health_interval = max_fails, health_interval
         self.max_concurrent = max_concurrent
         self._inflight = 0
-        self._probes: dict[str, Upstream] = {}    # loop-probe name -> upstream probed
+        self.loop_probes: dict[str, Upstream] = {}    # loop-probe name -> upstream probed
         self._probe_seen: dict[str, int] = {}
         self._bad_logged = -LOG_INTERVAL
         self._bad_count = 0
@@ -183,7 +183,7 @@ class Forward:
         return not up.looped and up.fails < self.max_fails
 
     def _order(self, qname: str) -> list[Upstream]:
-        target = self._probes.get(qname)
+        target = self.loop_probes.get(qname)
         if target is not None:   # a loop probe always goes through the upstream it tests
             return [target]
         live = [u for u in self.upstreams if not u.looped]
@@ -193,7 +193,7 @@ class Forward:
     async def query(self, request: dnslib.DNSRecord, tcp: bool) -> dnslib.DNSRecord | None:
         key = cache_key(request)
         qname = str(request.q.qname).lower() if request.questions else ""
-        if qname in self._probes:
+        if qname in self.loop_probes:
             seen = self._probe_seen[qname] = self._probe_seen.get(qname, 0) + 1
             if seen > LOOP_THRESHOLD:
                 self._loop_found(qname)
@@ -327,7 +327,7 @@ class Forward:
         found = []
         for up in list(self.upstreams):
             name = f"{random.getrandbits(63)}.{random.getrandbits(63)}."
-            self._probes[name] = up
+            self.loop_probes[name] = up
             try:
                 probe = dnslib.DNSRecord.question(name, "HINFO")
                 try:
@@ -337,12 +337,12 @@ class Forward:
                 if up.looped:
                     found.append(up)
             finally:
-                self._probes.pop(name, None)
+                self.loop_probes.pop(name, None)
                 self._probe_seen.pop(name, None)
         return found
 
     def _loop_found(self, qname: str) -> None:
-        up = self._probes.get(qname)
+        up = self.loop_probes.get(qname)
         if up is None or up.looped:
             return
         up.looped = True

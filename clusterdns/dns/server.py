@@ -576,6 +576,10 @@ class DnsService:
         store.subscribe(self._on_state)
         self.engine.update(store.current)
 
+    def detach(self) -> None:
+        """Stop following the state (a replaced or stopped server)."""
+        self.store.unsubscribe(self._on_state)
+
     # -- state ---------------------------------------------------------
 
     def _on_state(self, _old: ClusterState, new: ClusterState, _delta: Delta) -> None:

@@ -117,7 +117,7 @@ class IptablesExecutor:
         self.backend = backend   # None: detect on first use
         self._detection_dump: str | None = None
 
-    def _tool(self, name: str) -> str:
+    def tool(self, name: str) -> str:
         base = "iptables" if self.family == 4 else "ip6tables"
         return f"{base}-{self.backend}-{name}" if name else f"{base}-{self.backend}"
 
@@ -152,11 +152,11 @@ class IptablesExecutor:
     async def restore(self, text: str) -> None:
         """One atomic (per table) `iptables-restore --noflush --counters` call."""
         await self.detect_backend()
-        _check(await self.runner.run([self._tool("restore"), "-w", "5", "--noflush", "--counters"], text))
+        _check(await self.runner.run([self.tool("restore"), "-w", "5", "--noflush", "--counters"], text))
 
     async def save(self, table: str) -> str:
         await self.detect_backend()
-        res = await self.runner.run([self._tool("save"), "-t", table])
+        res = await self.runner.run([self.tool("save"), "-t", table])
         if res.returncode != 0 and "does not exist" in res.stderr.lower():
             return ""
         return _check(res).stdout
@@ -164,16 +164,16 @@ class IptablesExecutor:
     async def save_all(self) -> str:
         """iptables-save of every table (cleanup reads the jumps from it)."""
         await self.detect_backend()
-        return _check(await self.runner.run([self._tool("save")])).stdout
+        return _check(await self.runner.run([self.tool("save")])).stdout
 
     async def insert(self, table: str, chain: str, spec: str) -> None:
         """`iptables -I CHAIN spec` unless `-C` finds the rule already there."""
         import shlex
         await self.detect_backend()
         args = shlex.split(spec)
-        res = await self.runner.run([self._tool(""), "-w", "5", "-t", table, "-C", chain, *args])
+        res = await self.runner.run([self.tool(""), "-w", "5", "-t", table, "-C", chain, *args])
         if res.returncode != 0:
-            _check(await self.runner.run([self._tool(""), "-w", "5", "-t", table, "-I", chain, *args]))
+            _check(await self.runner.run([self.tool(""), "-w", "5", "-t", table, "-I", chain, *args]))
 
     async def existing_chains(self, tables: Iterable[str] = ("nat", "filter")) -> dict[str, set[str]]:
         """The KUBE-* chains in the kernel now, per table."""
@@ -184,7 +184,7 @@ class IptablesExecutor:
 
     async def canary_exists(self, table: str = "mangle") -> bool:
         await self.detect_backend()
-        res = await self.runner.run([self._tool(""), "-w", "5", "-t", table, "-S", CANARY])
+        res = await self.runner.run([self.tool(""), "-w", "5", "-t", table, "-S", CANARY])
         return res.returncode == 0
 
     async def ensure_canary(self) -> None:

@@ -356,6 +356,10 @@ class Proxier:
             self.health.queued_update()
 
     # -- public API
+    def detach(self) -> None:
+        """Stop following the store (a proxier being replaced)."""
+        self.store.unsubscribe(self._on_change)
+
     def add_listener(self, fn: Callable[[int], None]) -> None:
         """fn(version) runs after each successful sync with the state version now in the kernel."""
         self._listeners.append(fn)
@@ -548,12 +552,12 @@ class Proxier:
                 own_name = own_ipt.backend if own_ipt is not None else None
                 for name in ("nft", "legacy"):
                     exe = IptablesExecutor(runner, fam, name)
-                    if isinstance(runner, SubprocessRunner) and not _have(exe._tool("save")):
+                    if isinstance(runner, SubprocessRunner) and not _have(exe.tool("save")):
                         continue
                     try:
                         save = await exe.save_all()
                     except ApplyError as exc:
-                        log.debug("cannot read %s: %s", exe._tool("save"), exc)
+                        log.debug("cannot read %s: %s", exe.tool("save"), exc)
                         continue
                     # (parsed in a thread: our own dump is 300,000 lines at 10,000 Services)
                     if name == own_name and getattr(backend, "kept", None) is not None:
@@ -631,11 +635,11 @@ async def cleanup(cfg: Config, runner: CommandRunner | None = None) -> list[str]
     for family in (4, 6):
         for backend in ("nft", "legacy"):
             exe = IptablesExecutor(runner, family, backend)
-            if not isinstance(runner, SubprocessRunner) or _have(exe._tool("save")):
+            if not isinstance(runner, SubprocessRunner) or _have(exe.tool("save")):
                 try:
                     save = await exe.save_all()
                 except ApplyError as exc:
-                    log.debug("cannot read %s: %s", exe._tool("save"), exc)
+                    log.debug("cannot read %s: %s", exe.tool("save"), exc)
                     continue
                 existing = parse_save(save)
                 # The kubelet owns its canary; never ours to delete.
