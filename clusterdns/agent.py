@@ -169,14 +169,11 @@ class Agent:
         self._tasks[name] = asyncio.ensure_future(coro)
 
     async def _start_dns(self) -> None:
-        from .dns.server import DnsService
-        kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
-        self.dns = DnsService(self.cfg, self.view, reuse_port=True, **kwargs)
-        await self.dns.start()
+        await self._replace_dns()
 
     async def _replace_dns(self) -> None:
-        """Bind the new listeners before closing the old ones: a reload onto an address
-        that cannot be bound raises and leaves the running server as it was."""
+        """Start DNS; on a reload, bind the new listeners before closing the old ones: an
+        address that cannot be bound raises and leaves the running server as it was."""
         from .dns.server import DnsService
         kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
         new = DnsService(self.cfg, self.view, reuse_port=True, **kwargs)

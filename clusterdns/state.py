@@ -293,16 +293,23 @@ class PreparedReplace:
     index: Mapping[tuple[str, str], tuple[EndpointSlice, ...]]
 
 
-def state_from_records(records: Iterable[tuple[str, Any]], synced: Iterable[str] = KINDS) -> ClusterState:
-    """Build a complete state at once (tests, benchmarks, one-shot commands)."""
-    store = StateStore()
+def group_by_kind(records: Iterable[tuple[str, Any]]) -> dict[str, list]:
+    """(kind, record) pairs as one list per kind (every kind present)."""
     by_kind: dict[str, list] = {k: [] for k in KINDS}
     for kind, rec in records:
         by_kind[kind].append(rec)
+    return by_kind
+
+
+def state_from_records(records: Iterable[tuple[str, Any]], synced: Iterable[str] = KINDS) -> ClusterState:
+    """Build a complete state at once (tests, benchmarks, one-shot commands)."""
+    store = StateStore()
+    by_kind = group_by_kind(records)
     with store.batch():
         for kind in KINDS:
             store.replace(kind, by_kind[kind], synced=kind in set(synced))
     return store.current
 
 
-__all__ = ["ClusterState", "Delta", "PreparedReplace", "StateStore", "record_key", "state_from_records"]
+__all__ = ["ClusterState", "Delta", "PreparedReplace", "StateStore", "group_by_kind", "record_key",
+           "state_from_records"]
