@@ -9,7 +9,6 @@ Wire bytes are not made here: the engine packs and memoises them.
 """
 from __future__ import annotations
 
-import gc
 import ipaddress
 import socket
 from collections import OrderedDict
@@ -26,6 +25,7 @@ from dnslib import TXT as RD_TXT
 from dnslib import A as RD_A
 
 from ..config import Config
+from ..lifetime import gc_paused
 from ..model import EXTERNAL_NAME, IPV4, IPV6, EndpointSlice, Service
 from ..state import ClusterState
 from . import names
@@ -305,9 +305,7 @@ class ZoneView:
             prev = None
         # earlier versions' prebuilt answers, newest first: the engine takes over those still true
         self.carried: tuple[dict, ...] = ((prev.memo,) + prev.carried[:2]) if prev is not None else ()
-        gc_was = gc.isenabled()
-        gc.disable()   # compiling allocates many small objects: collections would only rescan the state
-        try:
+        with gc_paused():   # compiling allocates many small objects: collections would only rescan the state
             self.by_service = self._group_slices(prev)
             self.services = self._compile_services(prev)
             if prev is not None and prev.state.services.keys() == self.state.services.keys():
@@ -316,9 +314,6 @@ class ZoneView:
                 self.svc_namespaces = {k[0] for k in self.services}
             self._exposed: dict[str, bool] = {}
             self.cips, self.eps = self._index_addresses(prev)
-        finally:
-            if gc_was:
-                gc.enable()
 
     # --- compile ---------------------------------------------------------------------
 

@@ -8,14 +8,13 @@ CategorizeEndpoints decides which endpoints Cluster and Local policies use.
 """
 from __future__ import annotations
 
-import gc
 import ipaddress
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from ..config import Config
+from ..lifetime import gc_paused  # noqa: F401  (the renderers import it from here)
 from ..model import IPV4, IPV6, EndpointSlice, Service, ServicePort
 from ..state import ClusterState
 from . import names
@@ -425,21 +424,6 @@ def service_ports_for(state: ClusterState, key: tuple[str, str], family: int,
     return list(_cached_ports(cache, state, key, family, node_name, zone))
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small acyclic objects.
-
-    A render allocates hundreds of thousands of tuples; with a large state in
-    memory the collector's passes took about half of the render time.
-    Nothing built here forms cycles, so reference counting frees it all.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def service_ports(state: ClusterState, cfg: Config, family: int = 4) -> list[tuple[ServicePortInfo, Categorized]]:

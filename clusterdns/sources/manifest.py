@@ -15,7 +15,6 @@ and the parse's peak memory goes away with the child.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -25,14 +24,14 @@ import struct
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from .. import metrics
 from ..errors import ManifestError
+from ..lifetime import gc_paused, retain
 from ..model import KINDS
-from ..state import StateStore, record_key
+from ..state import StateStore, group_by_kind, record_key
 from .objects import API_VERSIONS, InvalidObject, convert, object_name
 
 log = logging.getLogger(__name__)
@@ -80,19 +79,6 @@ class Skipped:
 
     def __str__(self) -> str:
         return f"{self.path}: skipped {self.kind} {self.name}: {self.reason}"
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Parsing builds a few million small acyclic objects: the cyclic collector's
-    passes over them cost as much as the parse itself, and free nothing."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def read_bytes(path: str, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -302,15 +288,10 @@ def parse_file(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[s
     with gc_paused():
         docs = read_documents(path, limits)
         records = records_from_documents(docs, path, limits)
-        if KEEP_UNTIL_EXIT is not None:
-            KEEP_UNTIL_EXIT.append(docs)
+        retain(docs)
         del docs
     return records
 
-
-# One-shot commands exit without teardown (cli.entry): they set this to a list, and
-# the parsed documents are kept rather than freed object by object (~0.1 s per 23 MB).
-KEEP_UNTIL_EXIT: list[Any] | None = None
 
 
 def load_files(paths: Iterable[str], limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
@@ -352,9 +333,7 @@ def duplicates(files: Iterable[tuple[str, list[tuple[str, Any]]]]) -> list[str]:
 
 def publish(store: StateStore, records: Iterable[tuple[str, Any]]) -> None:
     """Replace every kind in the store with these records, as one version."""
-    by_kind: dict[str, list] = {k: [] for k in KINDS}
-    for kind, rec in records:
-        by_kind[kind].append(rec)
+    by_kind = group_by_kind(records)
     with gc_paused(), store.batch():
         for kind in KINDS:
             store.replace(kind, by_kind[kind])
@@ -624,10 +603,7 @@ class ManifestSource:
 
         def prepare():
             with gc_paused():
-                by_kind: dict[str, list] = {k: [] for k in KINDS}
-                for _, recs in files:
-                    for kind, rec in recs:
-                        by_kind[kind].append(rec)
+                by_kind = group_by_kind(rec for _, recs in files for rec in recs)
                 return duplicates(files), self.store.prepare_replace_all(by_kind)
 
         dups, prepared = await asyncio.to_thread(prepare)
