@@ -13,7 +13,7 @@ import asyncio
 import logging
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Literal, Protocol
 
 from . import iptsave
 
@@ -210,7 +210,7 @@ class NftExecutor:
         _check(await self.runner.run(["nft", "-f", "-"], text))
 
     @property
-    def netlink_netns(self) -> str | None | bool:
+    def netlink_netns(self) -> "str | None | Literal[False]":
         """Where netlink batches may go: None (this process's namespace), a
         namespace name (a runner prefixed `ip netns exec NAME`), or False (a
         fake or other runner: never touch the kernel behind its back)."""
@@ -223,22 +223,23 @@ class NftExecutor:
             return p[3]
         return False
 
-    async def apply_small(self, text: str, ops=()) -> str:
+    async def apply_small(self, text: str | Callable[[], str], ops=()) -> str:
         """An incremental transaction: over nfnetlink when every operation (`ops`, the
         nftobj.Op the text was encoded from) is one proxy/nflink encodes (nft 1.0.6
         loads the whole ruleset before any `nft -f`, seconds at 10,000 Services),
-        else `nft -f` of the text. Returns the path used."""
+        else `nft -f` of the text. `text` may be a function that makes it: it is then
+        made only for that fallback. Returns the path used."""
         return await self._apply_ops(text, ops, full=False)
 
-    async def apply_full(self, text: str, ops=()) -> str:
+    async def apply_full(self, text: str | Callable[[], str], ops=()) -> str:
         """A full transaction (the whole table): one nfnetlink batch encoded from `ops` when
         nflink encodes every operation (no nft process, no cache of the old table), else
         `nft -f` of the text. Returns the path used."""
         return await self._apply_ops(text, ops, full=True)
 
-    async def _apply_ops(self, text: str, ops, full: bool) -> str:
+    async def _apply_ops(self, text: str | Callable[[], str], ops, full: bool) -> str:
         netns = self.netlink_netns
-        if ops and netns is not False and netns is not True:
+        if ops and netns is not False:
             from . import nflink
             # No supported() check first: at 10,000 Services encoding the batch takes over a
             # second, and in the event loop it held up every DNS answer that needs the loop.
@@ -250,7 +251,7 @@ class NftExecutor:
                 pass
             except (nflink.NflinkError, OSError) as exc:
                 raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
-        await self.apply(text)
+        await self.apply(text if isinstance(text, str) else await asyncio.to_thread(text))
         return "nft"
 
     async def table_exists(self, table: str = NFT_TABLE, probe: str = "cluster-ips") -> bool:

@@ -34,6 +34,7 @@ import ipaddress
 import math
 import struct
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Mapping
 
 from ..config import Config
@@ -69,6 +70,7 @@ from .servicemap import (
     Categorized,
     NodeInfo,
     ServicePortInfo,
+    format_endpoint,
     gc_paused,
     node_info,
     service_ports,
@@ -185,11 +187,17 @@ class NftState:
 
 @dataclass(frozen=True)
 class NftRuleSet:
-    text: str
+    family: int
     state: NftState
     full: bool = True
-    changes: int = 0      # statements in the text (a measure of the transaction's size)
+    changes: int = 0      # statements in the transaction (a measure of its size)
     ops: tuple[Op, ...] = ()   # the transaction as objects: the text and netlink batches are encoded from them
+
+    @cached_property
+    def text(self) -> str:
+        """The `nft -f` text of `ops`: made only when asked (printing, or a sync that
+        cannot use netlink), not on every sync."""
+        return ops_text(self.ops, self.family)
 
 
 class RenderCache:
@@ -537,23 +545,23 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
         if previous is None or previous.family != family:
             new = _full_state(state, cfg, family, node, zone, base, context, cache)
             ops = full_ops(new)
-            return NftRuleSet(text=ops_text(ops, family), state=new, full=True,
+            return NftRuleSet(family=family, state=new, full=True,
                               changes=sum(new.summary().values()), ops=tuple(ops))
         if resync:
             new = _full_state(state, cfg, family, node, zone, base, context, cache)
             ops = resync_ops(previous, new)
-            return NftRuleSet(text=ops_text(ops, family), state=new, full=True, changes=len(ops), ops=tuple(ops))
+            return NftRuleSet(family=family, state=new, full=True, changes=len(ops), ops=tuple(ops))
         if changed is None or previous.context != context:
             new = _full_state(state, cfg, family, node, zone, base, context, cache)
             ops = diff_ops(previous, new)
-            return NftRuleSet(text=ops_text(ops, family), state=new, full=False, changes=len(ops), ops=tuple(ops))
+            return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
         updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed))
         new = _apply(previous, updates, buckets)
         old_side = _partial(family, [o for k in updates if (o := previous.owned.get(k)) is not None])
         new_side = _partial(family, [o for o in updates.values() if o is not None])
         _align_shared(old_side, new_side, previous, new)
         ops = diff_ops(old_side, new_side)
-        return NftRuleSet(text=ops_text(ops, family), state=new, full=False, changes=len(ops), ops=tuple(ops))
+        return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
 
 
 def build(state: ClusterState, cfg: Config, family: int = 4, cache: RenderCache | None = None) -> NftState:
@@ -1138,9 +1146,8 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
                     raw = data(body[2])
                     if len(raw) == size:
                         ep_ip = str(ipaddress.ip_address(raw))
-                        ep_ip = f"[{ep_ip}]" if family == 6 else ep_ip
                     elif len(raw) == 2 and ep_ip:
-                        direct[chain] = f"{ep_ip}:{int.from_bytes(raw, 'big')}"
+                        direct[chain] = format_endpoint(ep_ip, int.from_bytes(raw, "big"))
             elif name == "nat" and lookup and lookup.startswith(ENDPOINTS_PREFIX):
                 dnat.setdefault(chain, []).append((lookup, offset))
     slots_wanted: dict[str, list[int]] = {}
@@ -1160,7 +1167,7 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
             value = data(raw)
             ip = str(ipaddress.ip_address(value[:size]))
             port = int.from_bytes(value[size:size + 2], "big")
-            in_slot.setdefault((m, off), set()).add((f"[{ip}]" if family == 6 else ip) + f":{port}")
+            in_slot.setdefault((m, off), set()).add(format_endpoint(ip, port))
     out: dict[tuple[str, str, int], frozenset[str]] = {}
     for key, chain in ports.items():
         base = chain.split("-", 1)[1]

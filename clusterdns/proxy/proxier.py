@@ -231,14 +231,14 @@ class NftablesBackend:
         else:
             rs = nftables.render(state, self.cfg, self.family, previous=self.previous, changed=changed,
                                  cache=self.cache)
-        if not rs.text.strip():
+        if not rs.ops:
             self.previous = rs.state
             return SyncOutcome()
         try:
             if rs.full:
-                self.last_path = await self.exe.apply_full(rs.text, rs.ops)
+                self.last_path = await self.exe.apply_full(lambda: rs.text, rs.ops)
             else:
-                self.last_path = await self.exe.apply_small(rs.text, rs.ops)
+                self.last_path = await self.exe.apply_small(lambda: rs.text, rs.ops)
         except ApplyError:
             self.previous = None
             raise
@@ -255,7 +255,7 @@ class NftablesBackend:
         kernel, read over netlink from the service and endpoint maps (nftables.programmed)."""
         from . import nflink, nftables
         netns = self.exe.netlink_netns
-        if netns is False or netns is True:
+        if netns is False:
             return {}   # a fake or wrapped runner: the kernel is not ours to read
         try:
             return await asyncio.to_thread(nftables.programmed, self.family, netns)
