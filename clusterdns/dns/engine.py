@@ -183,7 +183,11 @@ class Engine:
                     return None
         bodies = entry.bodies
         body = bodies[data[1] % len(bodies)] if len(bodies) > 1 else bodies[0]
-        if qend + len(body.data) + len(opt) > limit or body.spots:
+        spots = body.spots
+        if spots:   # SRV targets take the zone as the question spells it; most ask in lower case
+            zone = data[qend - 5 - body.zlen:qend - 5]
+            spots = zone != zone.lower()
+        if spots or qend + len(body.data) + len(opt) > limit:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
         return b"".join((data[:2], struct.pack(">HHHHH", entry.flags | ((data[2] << 8 | data[3]) & 0x0110), 1,
                                                body.an, body.ns, body.ar + (1 if opt else 0)),

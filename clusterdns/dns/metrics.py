@@ -151,12 +151,7 @@ class ServerStats:
         # the table between scrapes, or when nobody scrapes.
         if len(table) >= RAW_LIMIT:
             self.fold()
-        v = table.get(key)
-        if v is None:
-            table[key] = [1, elapsed]
-        else:
-            v[0] += 1
-            v[1] += elapsed
+        table[key] = [1, elapsed]   # the callers found no entry for key
 
     def fold(self) -> None:
         """Move the raw per-query counts into the totals (at scrape, or when a table is full)."""
