@@ -99,15 +99,6 @@ def _check(res: Result) -> Result:
 
 # ---------------------------------------------------------------- iptables
 
-def parse_save(text: str, prefix: str = "KUBE-") -> dict[str, set[str]]:
-    """Chains per table from iptables-save output, keeping names that start with `prefix`."""
-    return iptsave.chains(text, prefix)
-
-
-def count_rules(save_text: str) -> int:
-    return iptsave.count_rules(save_text)
-
-
 class IptablesExecutor:
     """iptables-restore / iptables-save for one family and one backend (nft or legacy)."""
 
@@ -136,7 +127,7 @@ class IptablesExecutor:
                 counts[backend] = -1
                 continue
             res = await self.runner.run([tool])
-            counts[backend] = count_rules(res.stdout) if res.returncode == 0 else -1
+            counts[backend] = iptsave.count_rules(res.stdout) if res.returncode == 0 else -1
             dumps[backend] = res.stdout if res.returncode == 0 else ""
         self.backend = "legacy" if counts["legacy"] > counts["nft"] else "nft"
         self._detection_dump = dumps.get(self.backend) if keep_dump else None
@@ -179,7 +170,7 @@ class IptablesExecutor:
         """The KUBE-* chains in the kernel now, per table."""
         out: dict[str, set[str]] = {}
         for table in tables:
-            out[table] = parse_save(await self.save(table)).get(table, set())
+            out[table] = iptsave.chains(await self.save(table), "KUBE-").get(table, set())
         return out
 
     async def canary_exists(self, table: str = "mangle") -> bool:
@@ -403,5 +394,5 @@ class IpvsExecutor:
 
 __all__ = [
     "ApplyError", "CommandRunner", "IptablesExecutor", "IpvsExecutor", "NftExecutor",
-    "RecordingRunner", "Result", "SubprocessRunner", "parse_save", "count_rules",
+    "RecordingRunner", "Result", "SubprocessRunner",
 ]

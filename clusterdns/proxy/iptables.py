@@ -565,11 +565,6 @@ def _contains(cidr: str, ip: str) -> bool:
         return False
 
 
-def parse_chains(save_text: str) -> dict[str, set[str]]:
-    """Chains per table from iptables-save output (the `existing` argument)."""
-    return iptsave.chains(save_text)
-
-
 def _our_chain(name: str) -> bool:
     return name.startswith("KUBE-") and name != "KUBE-KUBELET-CANARY"
 
@@ -577,7 +572,7 @@ def _our_chain(name: str) -> bool:
 def cleanup_text(existing: dict[str, set[str]], family: int = 4, *, save_text: str | None = None) -> str:
     """iptables-restore input removing every chain and jump clusterdns installs, and nothing else.
 
-    existing: chains per table now in the kernel (parse_chains of iptables-save).
+    existing: chains per table now in the kernel (iptsave.chains of iptables-save).
     With save_text (the iptables-save output) the jumps deleted are exactly the
     rules found there; without it, the jumps a full sync inserts, for each
     target chain that exists (which fails if such a jump was removed by hand).
@@ -638,4 +633,4 @@ def foreign_cleanup_text(save_text: str, keep: dict[str, frozenset[str] | set[st
     return "\n".join(out) + "\n" if out else ""
 
 
-__all__ = ["RuleSet", "cleanup_text", "foreign_cleanup_text", "jump_rules", "parse_chains", "probability", "render"]
+__all__ = ["RuleSet", "cleanup_text", "foreign_cleanup_text", "jump_rules", "probability", "render"]

@@ -36,7 +36,6 @@ from .apply import (
     NftExecutor,
     Result,
     SubprocessRunner,
-    parse_save,
 )
 from .conntrack import ConntrackCleaner, stale_flows
 from .healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
@@ -565,7 +564,7 @@ class Proxier:
                         text = await asyncio.to_thread(iptables.foreign_cleanup_text, save, backend.kept,
                                                        backend.wanted_jumps)
                     else:
-                        existing = await asyncio.to_thread(parse_save, save)
+                        existing = await asyncio.to_thread(iptsave.chains, save, "KUBE-")
                         if not any(c != "KUBE-KUBELET-CANARY" for cs in existing.values() for c in cs):
                             continue
                         text = await asyncio.to_thread(iptables.cleanup_text, existing, fam, save_text=save)
@@ -641,7 +640,7 @@ async def cleanup(cfg: Config, runner: CommandRunner | None = None) -> list[str]
                 except ApplyError as exc:
                     log.debug("cannot read %s: %s", exe.tool("save"), exc)
                     continue
-                existing = parse_save(save)
+                existing = iptsave.chains(save, "KUBE-")
                 # The kubelet owns its canary; never ours to delete.
                 if not any(c != "KUBE-KUBELET-CANARY" for cs in existing.values() for c in cs):
                     continue

@@ -20,7 +20,7 @@ from clusterdns.model import (
     Service,
     ServicePort,
 )
-from clusterdns.proxy import iptables
+from clusterdns.proxy import iptables, iptsave
 from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
@@ -563,7 +563,7 @@ def test_apply_full_partial_cleanup(netns):
     r = restore(netns, full.text)
     assert r.returncode == 0, r.stderr
     saved = save(netns)
-    chains = iptables.parse_chains(saved)
+    chains = iptsave.chains(saved)
     for table in ("filter", "nat", "mangle"):
         assert {c for c in chains[table] if c.startswith("KUBE-")} == set(full.chains[table])
     # iptables-save spells every jump exactly as jump_rules says (appliers check with -C / by text)
@@ -588,7 +588,7 @@ def test_apply_full_partial_cleanup(netns):
     assert "KUBE-SVC-XPGD46QRK7WJZT7O" not in after_partial and "KUBE-SEP-C6EBXVWJJZMIWKLZ" not in after_partial
 
     # cleanup returns the tables to what they were
-    clean = iptables.cleanup_text(iptables.parse_chains(after_partial), 4, save_text=after_partial)
+    clean = iptables.cleanup_text(iptsave.chains(after_partial), 4, save_text=after_partial)
     r = restore(netns, clean)
     assert r.returncode == 0, r.stderr
     assert _tables_content(save(netns)) == _tables_content(before4)
