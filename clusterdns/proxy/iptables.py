@@ -569,33 +569,41 @@ def _our_chain(name: str) -> bool:
     return name.startswith("KUBE-") and name != "KUBE-KUBELET-CANARY"
 
 
-def cleanup_text(existing: dict[str, set[str]], family: int = 4, *, save_text: str | None = None) -> str:
-    """iptables-restore input removing every chain and jump clusterdns installs, and nothing else.
+def cleanup_text(existing: dict[str, set[str]], family: int = 4) -> str:
+    """iptables-restore input removing every chain and jump clusterdns installs, and nothing else,
+    knowing only the chains per table now in the kernel (`existing`, iptsave.chains of a dump):
+    the jumps deleted are those a full sync inserts, for each target chain that exists (which
+    fails if such a jump was removed by hand). With the dump at hand, use cleanup_saved."""
+    jumps_by_table: dict[str, list[str]] = {t: [] for t in _CLEANUP_TABLES}
+    for table, chain, extra, comment, target in _JUMPS + _KUBELET_JUMPS:
+        if target in existing.get(table, ()):
+            parts = [extra] if extra else []
+            if comment:
+                parts.append(f"-m comment --comment {_q(comment)}")
+            parts.append(f"-j {target}")
+            jumps_by_table[table].append(f"-D {chain} {' '.join(parts)}")
+    return _cleanup(existing, jumps_by_table)
 
-    existing: chains per table now in the kernel (iptsave.chains of iptables-save).
-    With save_text (the iptables-save output) the jumps deleted are exactly the
-    rules found there; without it, the jumps a full sync inserts, for each
-    target chain that exists (which fails if such a jump was removed by hand).
-    """
-    tables = ("mangle", "filter", "nat")
-    jumps_by_table: dict[str, list[str]] = {t: [] for t in tables}
-    if save_text is not None:
-        for table, t in iptsave.read(save_text).items():
-            if table not in jumps_by_table:
-                continue
-            for r in t.rules:
-                if not _our_chain(r.chain) and _our_chain(iptsave.target(r.spec)):
-                    jumps_by_table[table].append(f"-D {r.chain} {r.spec}")
-    else:
-        for table, chain, extra, comment, target in _JUMPS + _KUBELET_JUMPS:
-            if target in existing.get(table, ()):
-                parts = [extra] if extra else []
-                if comment:
-                    parts.append(f"-m comment --comment {_q(comment)}")
-                parts.append(f"-j {target}")
-                jumps_by_table[table].append(f"-D {chain} {' '.join(parts)}")
+
+def cleanup_saved(save_text: str) -> str:
+    """iptables-restore input removing every chain and jump clusterdns installs from the tables
+    of one iptables-save dump (read once), and nothing else: the jumps deleted are exactly the
+    rules found there. Empty when the dump holds none of our chains (the kubelet's are not)."""
+    tables = iptsave.read(save_text)
+    jumps_by_table: dict[str, list[str]] = {t: [] for t in _CLEANUP_TABLES}
+    for table, t in tables.items():
+        if table in jumps_by_table:
+            jumps_by_table[table] = [f"-D {r.chain} {r.spec}" for r in t.rules
+                                     if not _our_chain(r.chain) and _our_chain(iptsave.target(r.spec))]
+    return _cleanup({name: set(t.chains) for name, t in tables.items()}, jumps_by_table)
+
+
+_CLEANUP_TABLES = ("mangle", "filter", "nat")
+
+
+def _cleanup(existing: dict[str, set[str]], jumps_by_table: dict[str, list[str]]) -> str:
     out: list[str] = []
-    for table in tables:
+    for table in _CLEANUP_TABLES:
         ours = sorted(c for c in existing.get(table, ()) if _our_chain(c))
         if not ours and not jumps_by_table[table]:
             continue
@@ -633,4 +641,4 @@ def foreign_cleanup_text(save_text: str, keep: dict[str, frozenset[str] | set[st
     return "\n".join(out) + "\n" if out else ""
 
 
-__all__ = ["RuleSet", "cleanup_text", "foreign_cleanup_text", "jump_rules", "probability", "render"]
+__all__ = ["RuleSet", "cleanup_saved", "cleanup_text", "foreign_cleanup_text", "jump_rules", "probability", "render"]

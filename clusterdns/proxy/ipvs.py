@@ -101,6 +101,10 @@ JUMPS = (
     ("filter", "INPUT", "KUBE-IPVS-FILTER", "kubernetes ipvs access filter"),
     ("filter", "OUTPUT", "KUBE-IPVS-OUT-FILTER", "kubernetes ipvs access filter"),
 )
+# What the iptables text declares (table -> chains) and inserts ((table, chain, spec) as
+# iptables-save prints them): the proxier keeps these, and removes what other modes left.
+CHAINS = {"filter": FILTER_CHAINS, "nat": NAT_CHAINS}
+JUMP_RULES = tuple((t, builtin, f'-m comment --comment "{c}" -j {ours}') for t, builtin, ours, c in JUMPS)
 
 
 @dataclass(frozen=True)
@@ -322,17 +326,17 @@ def _iptables_text(entries: dict[str, set[str]], cfg: Config, local_cidr: str, f
             "-j MASQUERADE --random-fully",
             f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}"]
 
-    out = ["*filter"] + [f":{c} - [0:0]" for c in FILTER_CHAINS]
-    out += [f'-I {b} -m comment --comment "{c}" -j {ours}' for t, b, ours, c in JUMPS if t == "filter"]
-    out += flt + ["COMMIT", "*nat"] + [f":{c} - [0:0]" for c in NAT_CHAINS]
-    out += [f'-I {b} -m comment --comment "{c}" -j {ours}' for t, b, ours, c in JUMPS if t == "nat"]
+    out = ["*filter"] + [f":{c} - [0:0]" for c in CHAINS["filter"]]
+    out += [f"-I {b} {spec}" for t, b, spec in JUMP_RULES if t == "filter"]
+    out += flt + ["COMMIT", "*nat"] + [f":{c} - [0:0]" for c in CHAINS["nat"]]
+    out += [f"-I {b} {spec}" for t, b, spec in JUMP_RULES if t == "nat"]
     out += nat + ["COMMIT"]
     return "\n".join(out) + "\n"
 
 
 def cleanup(family: int = 4) -> IpvsConfig:
     """The ipset input destroying IPVS mode's sets (each created first with -exist, so a
-    missing set is no error). Remove the iptables rules first (iptables.cleanup_text):
+    missing set is no error). Remove the iptables rules first (iptables.cleanup_saved):
     a set still referenced by a rule cannot be destroyed. Virtual servers are the
     applier's to delete (ipvsadm -D for each it created).
     """

@@ -279,10 +279,9 @@ class IpvsBackend:
         from . import ipvs
         config = await asyncio.to_thread(ipvs.render, state, self.cfg, self.family)
         await self.exe.apply(config)
-        tables = iptsave.read(config.iptables)
-        self.kept = {t: set(tab.chains) for t, tab in tables.items()}
-        self.wanted_jumps = {(t, r.chain, r.spec) for t, tab in tables.items() for r in tab.rules
-                             if r.line.startswith("-I ")}
+        # what every IPVS iptables text declares and inserts (fixed; no need to read it back)
+        self.kept = {t: set(chains) for t, chains in ipvs.CHAINS.items()}
+        self.wanted_jumps = set(ipvs.JUMP_RULES)
         return SyncOutcome()
 
     async def programmed(self) -> dict:
@@ -564,10 +563,7 @@ class Proxier:
                         text = await asyncio.to_thread(iptables.foreign_cleanup_text, save, backend.kept,
                                                        backend.wanted_jumps)
                     else:
-                        existing = await asyncio.to_thread(iptsave.chains, save, "KUBE-")
-                        if not any(c != "KUBE-KUBELET-CANARY" for cs in existing.values() for c in cs):
-                            continue
-                        text = await asyncio.to_thread(iptables.cleanup_text, existing, fam, save_text=save)
+                        text = await asyncio.to_thread(iptables.cleanup_saved, save)
                     if text.strip():
                         await exe.restore(text)
                         removed.append(f"iptables-{name} IPv{fam}" + (" (other modes' chains)"
@@ -640,14 +636,10 @@ async def cleanup(cfg: Config, runner: CommandRunner | None = None) -> list[str]
                 except ApplyError as exc:
                     log.debug("cannot read %s: %s", exe.tool("save"), exc)
                     continue
-                existing = iptsave.chains(save, "KUBE-")
-                # The kubelet owns its canary; never ours to delete.
-                if not any(c != "KUBE-KUBELET-CANARY" for cs in existing.values() for c in cs):
-                    continue
-                text = iptables.cleanup_text(existing, family, save_text=save)
+                text = iptables.cleanup_saved(save)   # nothing when only the kubelet's chains are there
                 if text.strip():
                     await exe.restore(text)
-                done.append(f"iptables-{backend} IPv{family}")
+                    done.append(f"iptables-{backend} IPv{family}")
         nft = NftExecutor(runner, family)
         if await nft.table_listed():
             from . import nftables

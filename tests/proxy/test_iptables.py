@@ -588,7 +588,7 @@ def test_apply_full_partial_cleanup(netns):
     assert "KUBE-SVC-XPGD46QRK7WJZT7O" not in after_partial and "KUBE-SEP-C6EBXVWJJZMIWKLZ" not in after_partial
 
     # cleanup returns the tables to what they were
-    clean = iptables.cleanup_text(iptsave.chains(after_partial), 4, save_text=after_partial)
+    clean = iptables.cleanup_saved(after_partial)
     r = restore(netns, clean)
     assert r.returncode == 0, r.stderr
     assert _tables_content(save(netns)) == _tables_content(before4)
@@ -668,3 +668,12 @@ def test_source_ranges_of_the_other_family_block_this_one():
     assert "-d 2001:db8::8 --dport 80 -j DROP" in v6
     v4 = iptables.render(st, CFG, 4).text
     assert "-s 203.0.113.0/25 -j KUBE-EXT-XPGD46QRK7WJZT7O" in v4
+
+
+def test_cleanup_saved_leaves_the_kubelet_alone():
+    kubelet = "*nat\n:POSTROUTING ACCEPT [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n" \
+              "-A POSTROUTING -j KUBE-KUBELET-CANARY\nCOMMIT\n"
+    assert iptables.cleanup_saved(kubelet) == ""
+    ours = kubelet.replace("COMMIT", ":KUBE-SERVICES - [0:0]\n-A POSTROUTING -j KUBE-SERVICES\nCOMMIT")
+    assert iptables.cleanup_saved(ours) == (
+        "*nat\n:KUBE-SERVICES - [0:0]\n-D POSTROUTING -j KUBE-SERVICES\n-X KUBE-SERVICES\nCOMMIT\n")

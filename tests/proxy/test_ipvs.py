@@ -140,11 +140,10 @@ def test_ipsets_and_iptables_accepted(netns):
     listed = run(netns, ["ipset", "list", "KUBE-CLUSTER-IP"], "").stdout
     assert "172.20.0.10,udp:53" in listed
     # cleanup: iptables first (the rules hold references to the sets), then the sets
-    from clusterdns.proxy import iptables, iptsave
+    from clusterdns.proxy import iptables
     for family, tool in ((4, "iptables"), (6, "ip6tables")):
         saved = run(netns, [f"{tool}-save"], "").stdout
-        r = run(netns, [f"{tool}-restore", "--noflush"],
-                iptables.cleanup_text(iptsave.chains(saved), family, save_text=saved))
+        r = run(netns, [f"{tool}-restore", "--noflush"], iptables.cleanup_saved(saved))
         assert r.returncode == 0, r.stderr
         assert "KUBE-" not in run(netns, [f"{tool}-save"], "").stdout
         r = run(netns, ["ipset", "restore"], ipvs.cleanup(family).ipsets)
