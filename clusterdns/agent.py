@@ -299,7 +299,7 @@ class Agent:
         """Another process has bound every one of our DNS addresses (UDP)."""
         if self.dns is None or not self.dns.bound:
             return True
-        ours = {handover.inode(r.sock) for r in self.dns._receivers}
+        ours = {handover.inode(s) for s in self.dns.udp_sockets()}
         return handover.others_on(self.dns.bound, ours)
 
     async def _stop_proxier(self) -> None:

@@ -53,3 +53,26 @@ def test_tcp_listeners_only_and_ipv6():
         assert handover.bound_inodes("::1", port) == {handover.inode(s6)}
     finally:
         s6.close()
+
+
+async def test_a_dns_servers_own_sockets_are_not_a_successor():
+    """What the agent's lameduck asks: is another process bound where DnsService receives?"""
+    from clusterdns.config import load
+    from clusterdns.dns.server import DnsService
+    from clusterdns.state import StateStore
+    port = free_port()
+    cfg = load(["dns", "--manifest", "unused.yaml", "--listen", f"127.0.0.1:{port}", "--no-upstream",
+                "--metrics-listen", "none", "--health-listen", "none", "--workers", "2"])
+    service = DnsService(cfg, StateStore(), reuse_port=True)     # as the agent binds them
+    await service.start()
+    try:
+        ours = {handover.inode(s) for s in service.udp_sockets()}
+        assert len(ours) == 2 and handover.bound_inodes("127.0.0.1", port) == ours
+        assert not handover.others_on(service.bound, ours)
+        successor = _udp("127.0.0.1", port)
+        try:
+            assert handover.others_on(service.bound, ours)
+        finally:
+            successor.close()
+    finally:
+        await service.stop()

@@ -580,6 +580,10 @@ class DnsService:
         """Stop following the state (a replaced or stopped server)."""
         self.store.unsubscribe(self._on_state)
 
+    def udp_sockets(self) -> list[socket.socket]:
+        """The UDP sockets this server receives on (the hand-over tells a successor's from them)."""
+        return [r.sock for r in self._receivers]
+
     # -- state ---------------------------------------------------------
 
     def _on_state(self, _old: ClusterState, new: ClusterState, _delta: Delta) -> None:
