@@ -23,7 +23,7 @@ import dns.rcode
 import dns.rdatatype
 
 from .config import Config
-from .dns import resolvconf
+from .dns import names, resolvconf
 from .state import ClusterState
 
 SCHEMA = "clusterdns.trace/v1"
@@ -45,11 +45,6 @@ class Asker(Protocol):
         """Where the last question for qname was answered: "zone", "upstream" or "refused"
         (outside the zones with no upstream)."""
         ...
-
-
-def _in_zones(qname: str, zones: tuple[str, ...]) -> bool:
-    name = qname.rstrip(".").lower()
-    return any(name == z or name.endswith("." + z) for z in (z.rstrip(".").lower() for z in zones))
 
 
 class _SeenForwarder:
@@ -78,7 +73,7 @@ class EngineAsker:
     def __init__(self, engine: Any, client_ip: str, description: str,
                  seen: _SeenForwarder | None = None, zones: tuple[str, ...] = ()) -> None:
         self.engine = engine
-        self.zones = zones
+        self.zones = [names.split_name(z) for z in zones]
         self.client_ip = client_ip
         self.description = description
         self.seen = seen
@@ -86,7 +81,7 @@ class EngineAsker:
     def route(self, qname: str) -> str:
         if self.seen is not None and qname.lower() in self.seen.asked:
             return "upstream"
-        return "zone" if _in_zones(qname, self.zones) else "refused"
+        return "zone" if names.zone_of(names.split_name(qname), self.zones) is not None else "refused"
 
     async def ask(self, qname: str, qtype: str) -> dns.message.Message:
         q = _query(qname, qtype)
@@ -102,12 +97,12 @@ class WireAsker:
 
     def __init__(self, host: str, port: int, timeout: float = 2.0, zones: tuple[str, ...] = ()) -> None:
         self.host, self.port, self.timeout = host, port, timeout
-        self.zones = zones
+        self.zones = [names.split_name(z) for z in zones]
         self.description = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
     def route(self, qname: str) -> str:
         # A running server forwards what is outside its zones; whether it has upstreams is its own.
-        return "zone" if _in_zones(qname, self.zones) else "upstream"
+        return "zone" if names.zone_of(names.split_name(qname), self.zones) is not None else "upstream"
 
     async def ask(self, qname: str, qtype: str) -> dns.message.Message:
         import dns.asyncquery
