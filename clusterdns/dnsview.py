@@ -37,6 +37,7 @@ from prometheus_client import Histogram
 
 from .metrics import DNS as DNS_REGISTRY
 from .model import Endpoint, EndpointSlice, Service
+from .proxy.servicemap import parse_endpoint
 from .state import ClusterState, Delta, StateStore, Subscriber
 
 log = logging.getLogger(__name__)
@@ -65,18 +66,6 @@ def _shape(svc: Service) -> tuple:
 
 def _ready_addresses(slices: tuple[EndpointSlice, ...]) -> set[str]:
     return {a for sl in slices for ep in sl.endpoints if ep.ready for a in ep.addresses}
-
-
-def _endpoint_ip(endpoint: str) -> str:
-    """"10.0.0.1:8080" / "[fd00::1]:8080" -> the canonical IP ('' when unreadable)."""
-    host = endpoint.rpartition(":")[0] if endpoint.count(":") == 1 or endpoint.startswith("[") else endpoint
-    parts = host.split(".")
-    if len(parts) == 4 and all(p.isdigit() and (p == "0" or p[0] != "0") and int(p) < 256 for p in parts):
-        return host   # canonical IPv4 already (what the readers give): no ipaddress parse for 100,000 of them
-    try:
-        return str(ipaddress.ip_address(host.strip("[]")))
-    except ValueError:
-        return ""
 
 
 def _filter_slice(sl: EndpointSlice, allowed: set[str] | frozenset[str]) -> EndpointSlice:
@@ -184,7 +173,7 @@ class DnsView:
             except ValueError:
                 continue
             kernel.setdefault(addr, {})[(str(proto).upper(), int(port))] = frozenset(
-                h for h in (_endpoint_ip(e) for e in eps) if h)
+                hp[0] for hp in map(parse_endpoint, eps) if hp is not None)
         self._kernel = kernel
         self._kernel_families = frozenset(families)
         now = self.store.current

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..config import Config
 from ..state import ClusterState
 from .iptables import mark_hex
-from .servicemap import Categorized, ServicePortInfo, gc_paused, node_info, service_ports
+from .servicemap import Categorized, ServicePortInfo, gc_paused, node_info, parse_endpoint, service_ports
 
 SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq")
 DEVICE = "kube-ipvs0"
@@ -349,17 +349,6 @@ def cleanup(family: int = 4) -> IpvsConfig:
     return IpvsConfig(ipvsadm="", ipsets="\n".join(lines) + "\n", iptables="", addresses=())
 
 
-def _split_hostport(text: str) -> tuple[str, int] | None:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    host = host.strip("[]")
-    try:
-        return str(ipaddress.ip_address(host)), int(port)
-    except ValueError:
-        return None
-
-
 def parse_list(text: str, family: int | None = None) -> dict[tuple[str, str, int], frozenset[str]]:
     """`ipvsadm -L -n` output -> (virtual address, protocol, port) -> "ip:port" of its real
     servers with a weight above 0 (weight 0: terminating, no new connections).
@@ -373,13 +362,13 @@ def parse_list(text: str, family: int | None = None) -> dict[tuple[str, str, int
         if not words:
             continue
         if words[0] in ("TCP", "UDP", "SCTP") and len(words) >= 2:
-            hp = _split_hostport(words[1])
+            hp = parse_endpoint(words[1])
             current = None
             if hp is None or (family and ipaddress.ip_address(hp[0]).version != family):
                 continue
             current = out.setdefault((hp[0], words[0], hp[1]), set())
         elif words[0] == "->" and current is not None and len(words) >= 4:
-            hp = _split_hostport(words[1])
+            hp = parse_endpoint(words[1])
             if hp is None or not words[3].isdigit() or int(words[3]) == 0:
                 continue
             current.add(_hostport(*hp))

@@ -30,6 +30,25 @@ def format_endpoint(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
+def parse_endpoint(text: str) -> tuple[str, int] | None:
+    """format_endpoint's inverse, for endpoints as iptables-save, nft and ipvsadm print them:
+    "10.0.0.1:8080" / "[fd00::1]:8080" -> (canonical IP, port); None when unreadable."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    if host[:1] == "[" and host[-1:] == "]":
+        host = host[1:-1]
+    elif ":" in host:
+        return None          # IPv6 without brackets: where the address ends is unknown
+    parts = host.split(".")
+    if len(parts) == 4 and all(p.isdigit() and (p == "0" or p[0] != "0") and int(p) < 256 for p in parts):
+        return host, int(port)   # canonical IPv4 already (the common case): no ipaddress parse
+    try:
+        return str(ipaddress.ip_address(host)), int(port)
+    except ValueError:
+        return None
+
+
 class EndpointInfo(NamedTuple):
     """One endpoint of a service port (a tuple: hundreds of thousands are built per render)."""
     ip: str

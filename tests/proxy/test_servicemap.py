@@ -142,3 +142,13 @@ def test_address_in_two_slices_counts_once_ready_copy_wins():
     [(_, cat)] = service_ports(_state(slices=slices), CFG, 4)
     assert [(e.endpoint, e.ready, e.local) for e in cat.all] == [("10.0.0.1:80", True, True),
                                                                  ("10.0.0.2:80", True, False)]
+
+
+def test_parse_endpoint_reads_what_format_endpoint_writes():
+    from clusterdns.proxy.servicemap import format_endpoint, parse_endpoint
+    for ip, port in (("10.0.0.1", 8080), ("fd00::1", 53), ("0.0.0.0", 0)):
+        assert parse_endpoint(format_endpoint(ip, port)) == (ip, port)
+    assert parse_endpoint("[FD00:0::1]:80") == ("fd00::1", 80)      # canonical, as records hold it
+    assert parse_endpoint("010.0.0.1:80") is None                     # not an address
+    for bad in ("10.0.0.1", "10.0.0.1:", "fd00::1:80", "[fd00::1]", "host:80", ""):
+        assert parse_endpoint(bad) is None, bad
