@@ -129,10 +129,9 @@ class StateStore:
 
     def _touch(self, kind: str, record: Any) -> None:
         self._kinds.add(kind)
-        if kind == "Service":
-            self._changed.add(record.key)
-        elif kind == "EndpointSlice":
-            self._changed.add(record.service_key)
+        key = _service_of(kind, record)
+        if key is not None:
+            self._changed.add(key)
 
     def _reindex(self, old: EndpointSlice | None, new: EndpointSlice | None) -> None:
         if old is not None:
@@ -175,16 +174,15 @@ class StateStore:
             table = self._table(kind)
             new = {record_key(kind, r): r for r in records}
             slices = kind == "EndpointSlice"
-            for key, old in table.items():
-                if new.get(key) != old:
-                    self._touch(kind, old)
-                    if slices:
-                        self._reindex(old, None)
-            for key, rec in new.items():
-                if table.get(key) != rec:
-                    self._touch(kind, rec)
-                    if slices:
-                        self._reindex(None, rec)
+            gone, came = _replaced(table, new)
+            for old in gone:
+                self._touch(kind, old)
+                if slices:
+                    self._reindex(old, None)
+            for rec in came:
+                self._touch(kind, rec)
+                if slices:
+                    self._reindex(None, rec)
             table.clear()
             table.update(new)
             if synced:
@@ -203,14 +201,13 @@ class StateStore:
             old = base.of_kind(kind)
             new = {record_key(kind, r): r for r in records_by_kind.get(kind, ())}
             tables[kind] = new
-            touched = [r for k, r in old.items() if new.get(k) != r]
-            touched += [r for k, r in new.items() if old.get(k) != r]
-            if touched:
+            gone, came = _replaced(old, new)
+            if gone or came:
                 kinds.add(kind)
-                if kind == "Service":
-                    changed.update(r.key for r in touched)
-                elif kind == "EndpointSlice":
-                    changed.update(r.service_key for r in touched)
+                for r in gone + came if kind in ("Service", "EndpointSlice") else ():
+                    key = _service_of(kind, r)
+                    if key is not None:
+                        changed.add(key)
         by_service: dict[tuple[str, str], dict[tuple[str, str], EndpointSlice]] = {}
         for key, sl in tables["EndpointSlice"].items():
             by_service.setdefault(sl.service_key, {})[key] = sl
@@ -280,6 +277,21 @@ class StateStore:
         self._kinds = set()
         self._synced = set()
         self._full = False
+
+
+def _replaced(old: Mapping, new: Mapping) -> tuple[list, list]:
+    """Replacing table `old` by `new`: the records of old it drops or changes, and the
+    records of new that are new or changed."""
+    return [r for k, r in old.items() if new.get(k) != r], [r for k, r in new.items() if old.get(k) != r]
+
+
+def _service_of(kind: str, record: Any) -> tuple[str, str] | None:
+    """The Service whose rules and records a change of `record` concerns (None: no one Service)."""
+    if kind == "Service":
+        return record.key
+    if kind == "EndpointSlice":
+        return record.service_key
+    return None
 
 
 @dataclass(frozen=True)
