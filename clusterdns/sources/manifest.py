@@ -14,25 +14,33 @@ and the parse's peak memory goes away with the child.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import pickle
 import re
 import struct
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from .. import metrics
 from ..errors import ManifestError
 from ..lifetime import gc_paused, retain
 from ..model import KINDS
 from ..state import StateStore, group_by_kind, record_key
 from .objects import API_VERSIONS, InvalidObject, convert, object_name
+
+if TYPE_CHECKING:
+    import asyncio
+    import subprocess
+
+    from .. import metrics
+else:   # imported when first used: one-shot commands (rules, trace) need none of them (~60 ms)
+    from ..lazy import module
+    asyncio = module("asyncio")
+    subprocess = module("subprocess")
+    metrics = module("clusterdns.metrics")
 
 log = logging.getLogger(__name__)
 
