@@ -13,15 +13,14 @@ import gc
 import logging
 import os
 import time
-from dataclasses import fields
 
 from aiohttp import web
 from prometheus_client import Counter
 
 from . import handover
-from .config import ConfigError, load
+from .config import Config, ConfigError, load
 from .dnsview import DNS_PROGRAMMING, DnsView, needs_rules
-from .health import HealthServer
+from .health import HealthServer, plan
 from .localdns import LocalDNS, LocalDNSError
 from .localdns import cleanup as localdns_cleanup
 from .metrics import REGISTRY
@@ -39,16 +38,6 @@ RELOADS = Counter("clusterdns_config_reloads_total",
 
 # ---------------------------------------------------------------- the agent
 
-# Which configuration fields each component reads, to restart only what a
-# reload changed. Anything not listed elsewhere belongs to DNS.
-SOURCE_FIELDS = {"manifest", "kubeconfig", "demo", "pods", "autopath", "node_name"}
-PROXY_FIELDS = {"node_name", "node_ips", "cluster_cidrs", "service_cidrs", "masquerade_all",
-                "masquerade_bit", "nodeport_addresses", "localhost_nodeports", "proxy_mode", "apply",
-                "ip_family", "sync_period", "min_sync_period", "demo"}
-HEALTH_FIELDS = {"health_listen", "metrics_listen", "proxy_metrics_listen", "proxy_mode"}
-AGENT_FIELDS = {"lameduck", "lameduck_handover", "log_level", "config_file", "loop", "command", "cleanup"}
-LOCAL_FIELDS = {"local_ips", "apply", "demo"}
-
 # How long a start whose kernel holds a previous process's rules waits, at most,
 # for the Services to be listed before DNS listens anyway (the previous process,
 # in lameduck, keeps answering meanwhile; see Agent.start).
@@ -61,8 +50,34 @@ DNS_HANDOVER_WAIT = 120.0
 GC_PAUSE_LIMIT = 120.0
 
 
-def changed_fields(old, new) -> set[str]:
-    return {f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)}
+def changed_options(old: Config, new: Config) -> set[str]:
+    """The options (flag names) whose values differ."""
+    a, b = old.options(), new.options()
+    return {name for name in a if a[name] != b[name]}
+
+
+def health_roles(cfg: Config) -> tuple[str, ...]:
+    return ("dns",) if cfg.proxy.proxy_mode == "none" else ("dns", "proxy")
+
+
+def component_inputs(cfg: Config) -> dict[str, object]:
+    """What each component the agent restarts on a reload is built from: its section,
+    plus the few values it takes from another one, named here. The agent section's other
+    options (lameduck, log level, loop) need no restart, nor does `run` (one-shot commands)."""
+    from .sources.kube import resources_for  # + the kinds watched (dns.pods, dns.autopath, proxy.node_name)
+    return {
+        "source": (cfg.source, tuple(resources_for(cfg))),
+        "proxy": (cfg.proxy, cfg.applying),
+        "localdns": (cfg.dns.local_ips, cfg.applying),
+        "dns": (cfg.dns, tuple(cfg.listen_addresses())),
+        "health": tuple(plan(cfg, health_roles(cfg))),   # agent's listeners; /proxyMode
+    }
+
+
+def restarts(old: Config, new: Config) -> set[str]:
+    """The components a reload from `old` to `new` restarts."""
+    a, b = component_inputs(old), component_inputs(new)
+    return {name for name in a if a[name] != b[name]}
 
 
 def demo_banner(cfg, bound: list[tuple[str, int]]) -> str:
@@ -89,7 +104,7 @@ class Agent:
         self.forwarder = forwarder
         self.localdns_runner = localdns_runner
         self.store = StateStore()
-        self.view = DnsView(self.store, follow=cfg.proxy_mode == "none")
+        self.view = DnsView(self.store, follow=cfg.proxy.proxy_mode == "none")
         self.source = None
         self.proxier = None
         self.dns = None
@@ -123,7 +138,7 @@ class Agent:
 
     # -- building blocks
     def _make_proxier(self):
-        if self.cfg.proxy_mode == "none":
+        if self.cfg.proxy.proxy_mode == "none":
             return None
         proxier = Proxier(self.cfg, self.store, executor=self.executor)
         proxier.add_listener(self._on_rules_applied)
@@ -195,19 +210,18 @@ class Agent:
         self.dns = None
 
     async def _start_localdns(self) -> None:
-        if not self.cfg.local_ips:
+        if not self.cfg.dns.local_ips:
             return
         if not self.cfg.applying:
             log.warning("--local-ip given but not applying (--dry-run or demo): "
                         "the addresses must already exist on this host")
             return
-        self.localdns = LocalDNS(self.cfg.local_ips, self.localdns_runner)
+        self.localdns = LocalDNS(self.cfg.dns.local_ips, self.localdns_runner)
         await self.localdns.setup()
         self._spawn("localdns", self.localdns.run())
 
     async def _start_health(self) -> None:
-        health = HealthServer(self.cfg, roles=("dns",) if self.cfg.proxy_mode == "none" else ("dns", "proxy"),
-                              reuse_port=True)
+        health = HealthServer(self.cfg, roles=health_roles(self.cfg), reuse_port=True)
         self._add_ready_checks(health)
 
         async def proxier_health(request):
@@ -317,7 +331,7 @@ class Agent:
     async def start(self) -> None:
         """Everything up; raises UsageError (bad input) or OSError (an address in use)."""
         self._stopping = asyncio.Event()
-        self._config_stamp = _stamp(self.cfg.config_file)
+        self._config_stamp = _stamp(self.cfg.agent.config_file)
         self._start_source()          # a broken manifest raises here
         self._start_proxier()
         await self._start_localdns()  # before DNS: it listens on these addresses
@@ -333,20 +347,20 @@ class Agent:
             self._gc_paused = True
             asyncio.get_running_loop().call_later(GC_PAUSE_LIMIT, self._resume_gc)
         await self._start_dns()
-        if self.cfg.config_file:
+        if self.cfg.agent.config_file:
             self._spawn("config-watch", self._watch_config())
 
     def banner(self) -> str:
         from .dns.server import banner
         text = banner(self.dns).replace("clusterdns dns", "clusterdns agent", 1)
-        mode = self.cfg.proxy_mode if self.proxier else "none"
+        mode = self.cfg.proxy.proxy_mode if self.proxier else "none"
         text += f"; proxier: {mode} ({'applying' if self.cfg.applying else 'printing'})"
         if self.health:
             for kind, label in (("health", "health/ready"), ("metrics", "DNS metrics"),
                                 ("proxy-metrics", "proxy metrics")):
                 if self.health.bound_kinds.get(kind):
                     text += f"; {label} on " + ", ".join(f"{h}:{p}" for h, p in self.health.bound_kinds[kind])
-        if self.cfg.demo:
+        if self.cfg.source.demo:
             text += "\n" + demo_banner(self.cfg, self.dns.bound)
         return text
 
@@ -370,16 +384,16 @@ class Agent:
             if failed:
                 code = 1
                 break
-        if not code and self.cfg.lameduck > 0:
-            log.info("shutting down: lameduck for %gs (still answering, /ready 503)", self.cfg.lameduck)
+        if not code and self.cfg.agent.lameduck > 0:
+            log.info("shutting down: lameduck for %gs (still answering, /ready 503)", self.cfg.agent.lameduck)
             self.health.lameduck = True
             t0 = time.monotonic()
             if self.proxier is not None:
                 # The rules stay as they are; the successor (started meanwhile) programs the
                 # same table: two writers would undo each other's partial syncs.
                 await self.proxier.stop()
-            await asyncio.sleep(self.cfg.lameduck)
-            await self._hand_over(t0 + self.cfg.lameduck_handover)
+            await asyncio.sleep(self.cfg.agent.lameduck)
+            await self._hand_over(t0 + self.cfg.agent.lameduck_handover)
         waiter.cancel()
         await self.stop()
         return code
@@ -424,10 +438,10 @@ class Agent:
     async def _watch_config(self, interval: float = 1.0) -> None:
         while True:
             await asyncio.sleep(interval)
-            stamp = _stamp(self.cfg.config_file)
+            stamp = _stamp(self.cfg.agent.config_file)
             if stamp != self._config_stamp:
                 self._config_stamp = stamp
-                log.info("%s changed; reloading the configuration", self.cfg.config_file)
+                log.info("%s changed; reloading the configuration", self.cfg.agent.config_file)
                 await self.reload()
 
     async def reload(self) -> bool:
@@ -444,19 +458,22 @@ class Agent:
             RELOADS.labels("failed").inc()
             log.error("reload failed, keeping the running configuration: %s", exc)
             return False
-        changed = changed_fields(self.cfg, new) - AGENT_FIELDS - {"config_file"}
+        changed = changed_options(self.cfg, new)
+        restart = restarts(self.cfg, new)
         old, self.cfg = self.cfg, new
-        if new.log_level != old.log_level:
-            logging.getLogger().setLevel(new.log_level.upper())
-        if not changed:
-            log.info("reload: configuration unchanged")
+        if new.agent.log_level != old.agent.log_level:
+            logging.getLogger().setLevel(new.agent.log_level.upper())
+        if not restart:
+            log.info("reload: %s", "changed " + ", ".join(sorted(changed)) + "; nothing to restart"
+                     if changed else "configuration unchanged")
             RELOADS.labels("unchanged").inc()
             return True
-        log.info("reload: changed %s", ", ".join(sorted(changed)))
-        dns_changed = bool(changed - SOURCE_FIELDS - PROXY_FIELDS - HEALTH_FIELDS) or "local_ips" in changed
-        if dns_changed and not changed & LOCAL_FIELDS:
+        log.info("reload: changed %s; restarting %s", ", ".join(sorted(changed)), ", ".join(sorted(restart)))
+        dns_first = "dns" in restart and "localdns" not in restart
+        if dns_first:
             # DNS first: when its new listeners cannot be bound, nothing else has changed yet
-            # and the whole running configuration is kept.
+            # and the whole running configuration is kept. (New local addresses must exist
+            # before DNS can bind them: then DNS comes after them.)
             try:
                 await self._replace_dns()
             except Exception as exc:
@@ -465,33 +482,32 @@ class Agent:
                 RELOADS.labels("failed").inc()
                 log.error("reload failed, keeping the running configuration: DNS: %s", exc)
                 return False
-            dns_changed = False
         try:
-            if changed & SOURCE_FIELDS:
+            if "source" in restart:
                 task = self._tasks.pop("source", None)
                 if task is not None:
                     task.cancel()
                     await _quiet(task)
                 self._start_source(strict=False)
-            if changed & PROXY_FIELDS:
-                self.view.follow = new.proxy_mode == "none"
+            if "proxy" in restart:
+                self.view.follow = new.proxy.proxy_mode == "none"
                 if self.view.follow:
                     self.view.applied(self.store.current.version)
                 await self._stop_proxier()
                 self._start_proxier()
                 if self.proxier is not None:
                     self.proxier.request_sync()
-            if changed & LOCAL_FIELDS and self.localdns is not None:
-                t = self._tasks.pop("localdns", None)
-                if t is not None:
-                    t.cancel()
-                await localdns_cleanup(self.localdns.runner)
-                self.localdns = None
-            if changed & LOCAL_FIELDS:
+            if "localdns" in restart:
+                if self.localdns is not None:
+                    t = self._tasks.pop("localdns", None)
+                    if t is not None:
+                        t.cancel()
+                    await localdns_cleanup(self.localdns.runner)
+                    self.localdns = None
                 await self._start_localdns()
-            if dns_changed:
+            if "dns" in restart and not dns_first:
                 await self._replace_dns()
-            if changed & HEALTH_FIELDS:
+            if "health" in restart:
                 await self.health.stop()
                 await self._start_health()
         except Exception as exc:   # a half-applied reload: say so loudly; the process keeps running
@@ -528,4 +544,5 @@ def _task_name(tasks: dict, task) -> str:
     return "task"
 
 
-__all__ = ["Agent", "DNS_PROGRAMMING", "DnsView", "changed_fields", "demo_banner", "needs_rules"]
+__all__ = ["Agent", "DNS_PROGRAMMING", "DnsView", "changed_options", "component_inputs", "demo_banner",
+           "needs_rules", "restarts"]

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
         # nor the cyclic collector (re-enabled, its first pass would walk it all) serves.
         lifetime.RETAINED = []
         gc.disable()
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.agent.log_level)
     module = importlib.import_module(f"clusterdns.commands.{cfg.command}")
     try:
         return int(module.run(cfg) or 0)

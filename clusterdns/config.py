@@ -1,8 +1,17 @@
 """Configuration: command-line flags, an optional YAML file with the same keys, defaults.
 
 Precedence: flag > environment (NODE_NAME only) > --config file > default.
-Everything is validated once into a frozen Config; a bad value is a
-ConfigError, which the CLI turns into exit code 2 with a one-line reason.
+Everything is validated once into a frozen Config made of sections, one per
+part of the process: `source` (where the state comes from), `dns` (the
+server), `proxy` (the proxier), `agent` (lifecycle, logging, the health and
+metrics listeners) and `run` (what a one-shot command does). Each option lives
+in exactly one section, under the name its flag and YAML key have (`--ttl` and
+`ttl:` are `cfg.dns.ttl`); a reload restarts the components whose section
+changed (agent.py). A bad value is a ConfigError, which the CLI turns into exit
+code 2 with a one-line reason.
+
+A new option: a field in its section, a flag in _add_common (or the command's
+parser), and a check in _validate when it has a range.
 """
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ import argparse
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import ConfigError
@@ -24,17 +33,21 @@ DEMO_NODE = ("node-a", ("192.168.49.2",), ("10.161.0.0/16",), ("172.20.0.0/16",)
 
 
 @dataclass(frozen=True)
-class Config:
-    command: str = "agent"
-    # sources
+class SourceConfig:
+    """Where the cluster state comes from."""
     manifest: tuple[str, ...] = ()
     kubeconfig: str = ""
     demo: bool = False                     # no source given: the embedded demo cluster
     manifest_max_bytes: int = 256 * 1024 * 1024   # a bigger manifest file is refused
     manifest_max_objects: int = 1_000_000         # objects in one manifest file
     manifest_allow_shrink: bool = False           # accept a reload that empties a file or loses most objects
-    # DNS
-    listen: tuple[str, ...] = ()           # empty: derived, see listen_addresses()
+
+
+@dataclass(frozen=True)
+class DnsConfig:
+    """The DNS server: what it answers, where it listens, where it forwards."""
+    listen: tuple[str, ...] = ()           # empty: derived, see Config.listen_addresses()
+    local_ips: tuple[str, ...] = ()        # addresses held on a local device (NodeLocal-style) and listened on
     zones: tuple[str, ...] = ("cluster.local", "in-addr.arpa", "ip6.arpa")
     ttl: int = 5
     pods: str = "insecure"
@@ -55,7 +68,15 @@ class Config:
     udp_size: int = 1232
     workers: int = 1                       # UDP receive threads per listen address (SO_REUSEPORT)
     tcp_max_connections: int = 1024        # open DNS TCP connections; beyond, the oldest idle is closed
-    # proxier
+
+    @property
+    def cluster_domain(self) -> str:
+        return self.zones[0]
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The proxier and the node it programs."""
     node_name: str = ""
     node_ips: tuple[str, ...] = ()
     cluster_cidrs: tuple[str, ...] = ()
@@ -65,45 +86,10 @@ class Config:
     nodeport_addresses: tuple[str, ...] = ()
     localhost_nodeports: bool = True
     proxy_mode: str = "iptables"
-    apply: bool | None = None              # None: apply unless demo
+    apply: bool | None = None              # None: apply unless demo (Config.applying)
     ip_family: str = ""                    # rules: ipv4|ipv6; empty = family of first node IP
     sync_period: float = 30.0
     min_sync_period: float = 1.0
-    cleanup: bool = False
-    # agent
-    local_ips: tuple[str, ...] = ()
-    lameduck: float = 5.0
-    lameduck_handover: float = 20.0        # lameduck goes on until a successor listens, up to this
-    metrics_listen: str = "127.0.0.1:9153"
-    proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
-    health_listen: str = "127.0.0.1:8080"
-    config_file: str = ""
-    loop: str = "auto"
-    log_level: str = "info"
-    # rules / trace
-    mode: str = ""
-    name: str = ""
-    from_pod: str = ""
-    trace_resolv_conf: str = ""
-    json: bool = False
-
-    @property
-    def cluster_domain(self) -> str:
-        return self.zones[0]
-
-    @property
-    def applying(self) -> bool:
-        return (not self.demo) if self.apply is None else self.apply
-
-    def listen_addresses(self) -> list[tuple[str, int]]:
-        """The (host, port) pairs the DNS server binds."""
-        if self.listen:
-            return [parse_hostport(x, 53) for x in self.listen]
-        if self.local_ips:
-            return [(ip, 53) for ip in self.local_ips]
-        if self.demo:
-            return [("127.0.0.1", 5353)]
-        return [("0.0.0.0", 53)]
 
     @property
     def family(self) -> int:
@@ -113,6 +99,80 @@ class Config:
         if self.node_ips:
             return ipaddress.ip_address(self.node_ips[0]).version
         return 4
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The process: shutdown, logging, the configuration file, health and metrics listeners."""
+    lameduck: float = 5.0
+    lameduck_handover: float = 20.0        # lameduck goes on until a successor listens, up to this
+    metrics_listen: str = "127.0.0.1:9153"
+    proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
+    health_listen: str = "127.0.0.1:8080"
+    config_file: str = ""
+    loop: str = "auto"
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a one-shot command does (rules, trace, proxy --cleanup); never reloaded."""
+    cleanup: bool = False
+    mode: str = ""
+    name: str = ""
+    from_pod: str = ""
+    trace_resolv_conf: str = ""
+    json: bool = False
+
+
+SECTIONS: dict[str, type] = {"source": SourceConfig, "dns": DnsConfig, "proxy": ProxyConfig,
+                             "agent": AgentConfig, "run": RunConfig}
+# option name (the flag's and YAML key's, dashes as underscores) -> its section
+OPTION_SECTION: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class Config:
+    command: str = "agent"
+    source: SourceConfig = field(default_factory=SourceConfig)
+    dns: DnsConfig = field(default_factory=DnsConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @classmethod
+    def from_options(cls, command: str = "agent", **options: Any) -> Config:
+        """A Config from options named as the flags are (`ttl=3`, `node_ips=(...)`), unvalidated."""
+        return cls(command=command).with_options(**options)
+
+    def with_options(self, **options: Any) -> Config:
+        """A copy with these options (flag names) changed, each in its own section."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for name, value in options.items():
+            section = OPTION_SECTION.get(name)
+            if section is None:
+                raise TypeError(f"unknown option {name!r}")
+            by_section.setdefault(section, {})[name] = value
+        return replace(self, **{s: replace(getattr(self, s), **v) for s, v in by_section.items()})
+
+    def options(self) -> dict[str, Any]:
+        """Every option by its flag name (the inverse of from_options)."""
+        return {f.name: getattr(getattr(self, s), f.name) for s, cls in SECTIONS.items() for f in fields(cls)}
+
+    @property
+    def applying(self) -> bool:
+        """The proxier (and local DNS addresses) change the kernel: --apply, or not the demo."""
+        return (not self.source.demo) if self.proxy.apply is None else self.proxy.apply
+
+    def listen_addresses(self) -> list[tuple[str, int]]:
+        """The (host, port) pairs the DNS server binds."""
+        if self.dns.listen:
+            return [parse_hostport(x, 53) for x in self.dns.listen]
+        if self.dns.local_ips:
+            return [(ip, 53) for ip in self.dns.local_ips]
+        if self.source.demo:
+            return [("127.0.0.1", 5353)]
+        return [("0.0.0.0", 53)]
 
 
 def parse_hostport(text: str, default_port: int) -> tuple[str, int]:
@@ -234,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_FIELDS = {f.name: f for f in fields(Config)}
+_FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
 _TUPLES = {n for n, f in _FIELDS.items() if str(f.type).startswith("tuple")}
 
 
@@ -258,7 +318,7 @@ def _from_file(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         name = aliases.get(name, name)
-        if name not in _FIELDS or name in ("command", "demo", "config_file", "name"):
+        if name not in _FIELDS or name in ("demo", "config_file", "name"):
             raise ConfigError(f"{path}: unknown option {key!r}")
         out[name] = value
     return out
@@ -278,59 +338,61 @@ def _validate(cfg: Config) -> Config:
     def err(msg: str) -> None:
         raise ConfigError(msg)
 
-    if not 0 <= cfg.ttl <= 3600:
-        err(f"--ttl {cfg.ttl}: must be between 0 and 3600")
-    if not isinstance(cfg.manifest_max_bytes, int) or cfg.manifest_max_bytes < 1:
-        err(f"--manifest-max-bytes {cfg.manifest_max_bytes}: must be a positive number of bytes")
-    if not isinstance(cfg.manifest_max_objects, int) or cfg.manifest_max_objects < 1:
-        err(f"--manifest-max-objects {cfg.manifest_max_objects}: must be a positive number")
-    if cfg.pods not in POD_MODES:
-        err(f"--pods {cfg.pods!r}: must be one of {', '.join(POD_MODES)}")
-    if cfg.proxy_mode not in PROXY_MODES:
-        err(f"--proxy-mode {cfg.proxy_mode!r}: must be one of {', '.join(PROXY_MODES)}")
-    if not cfg.zones:
+    src, dns, proxy, agent = cfg.source, cfg.dns, cfg.proxy, cfg.agent
+    if not 0 <= dns.ttl <= 3600:
+        err(f"--ttl {dns.ttl}: must be between 0 and 3600")
+    if not isinstance(src.manifest_max_bytes, int) or src.manifest_max_bytes < 1:
+        err(f"--manifest-max-bytes {src.manifest_max_bytes}: must be a positive number of bytes")
+    if not isinstance(src.manifest_max_objects, int) or src.manifest_max_objects < 1:
+        err(f"--manifest-max-objects {src.manifest_max_objects}: must be a positive number")
+    if dns.pods not in POD_MODES:
+        err(f"--pods {dns.pods!r}: must be one of {', '.join(POD_MODES)}")
+    if proxy.proxy_mode not in PROXY_MODES:
+        err(f"--proxy-mode {proxy.proxy_mode!r}: must be one of {', '.join(PROXY_MODES)}")
+    if not dns.zones:
         err("--zone: at least one zone is needed")
-    zones = tuple(z.strip(".").lower() + "" for z in cfg.zones)
+    zones = tuple(z.strip(".").lower() + "" for z in dns.zones)
     if any(not z for z in zones):
         err("--zone: the root zone cannot be served authoritatively")
-    for x in cfg.listen:
+    for x in dns.listen:
         parse_hostport(x, 53)
-    for x in cfg.upstream:
+    for x in dns.upstream:
         parse_hostport(x, 53)
+    options = cfg.options()
     for name in ("node_ips", "local_ips"):
-        for ip in getattr(cfg, name):
+        for ip in options[name]:
             try:
                 ipaddress.ip_address(ip)
             except ValueError:
                 err(f"--{name[:-1].replace('_', '-')} {ip!r}: not an IP address")
     for name in ("cluster_cidrs", "service_cidrs", "nodeport_addresses"):
-        for c in getattr(cfg, name):
+        for c in options[name]:
             if name == "nodeport_addresses" and c in ("primary", "all"):
                 continue
             try:
                 ipaddress.ip_network(c, strict=False)
             except ValueError:
                 err(f"--{name.rstrip('s').replace('_', '-')} {c!r}: not a CIDR")
-    if cfg.sync_period <= 0 or cfg.min_sync_period < 0:
+    if proxy.sync_period <= 0 or proxy.min_sync_period < 0:
         err("--sync-period must be positive and --min-sync-period not negative")
-    if not 0 <= cfg.masquerade_bit <= 31:
+    if not 0 <= proxy.masquerade_bit <= 31:
         err("--masquerade-bit must be between 0 and 31")
-    if cfg.namespaces and cfg.namespace_labels:
+    if dns.namespaces and dns.namespace_labels:
         err("--namespaces and --namespace-labels cannot be combined")
-    if cfg.lameduck < 0 or cfg.lameduck_handover < 0:
+    if agent.lameduck < 0 or agent.lameduck_handover < 0:
         err("--lameduck and --lameduck-handover must not be negative")
-    if not 1 <= cfg.workers <= 64:
-        err(f"--workers {cfg.workers}: must be between 1 and 64")
-    if cfg.tcp_max_connections < 1:
-        err(f"--tcp-max-connections {cfg.tcp_max_connections}: must be at least 1")
+    if not 1 <= dns.workers <= 64:
+        err(f"--workers {dns.workers}: must be between 1 and 64")
+    if dns.tcp_max_connections < 1:
+        err(f"--tcp-max-connections {dns.tcp_max_connections}: must be at least 1")
     for name in ("metrics_listen", "proxy_metrics_listen", "health_listen"):
-        v = getattr(cfg, name)
+        v = options[name]
         if v and v != "none":
             parse_hostport(v, 0)
-    if cfg.from_pod and cfg.from_pod.count("/") != 1:
-        err(f"--from-pod {cfg.from_pod!r}: expected NAMESPACE/POD")
-    fall = None if cfg.fallthrough is None else tuple(z.strip(".").lower() for z in cfg.fallthrough)
-    return replace(cfg, zones=zones, fallthrough=fall)
+    if cfg.run.from_pod and cfg.run.from_pod.count("/") != 1:
+        err(f"--from-pod {cfg.run.from_pod!r}: expected NAMESPACE/POD")
+    fall = None if dns.fallthrough is None else tuple(z.strip(".").lower() for z in dns.fallthrough)
+    return cfg.with_options(zones=zones, fallthrough=fall)
 
 
 def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -345,35 +407,38 @@ def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             raise
         raise ConfigError("bad command line (see the usage above)") from None
     flags = vars(ns)
-    if not flags.get("command"):
+    command = flags.pop("command", None)
+    if not command:
         raise ConfigError("missing command: one of " + ", ".join(COMMANDS))
     values: dict[str, Any] = {}
     if flags.get("config_file"):
         values.update(_from_file(flags["config_file"]))
     if env.get("NODE_NAME"):
         values["node_name"] = env["NODE_NAME"]
-    command = flags["command"]
     if command == "trace" and "resolv_conf" in flags:
         flags["trace_resolv_conf"] = flags.pop("resolv_conf")
     values.update(flags)
     if "fallthrough" in values and values["fallthrough"] is not None:
         values["fallthrough"] = tuple(values["fallthrough"])
     try:
-        cfg = Config(**_coerce(values))
+        cfg = Config.from_options(command, **_coerce(values))
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
-    for name, f in _FIELDS.items():
-        v = getattr(cfg, name)
-        if f.type in ("int", "float") and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+    for name, v in cfg.options().items():
+        kind = _FIELDS[name].type
+        if kind in ("int", "float") and (not isinstance(v, (int, float)) or isinstance(v, bool)):
             raise ConfigError(f"{name}: expected a number, got {v!r}")
-        if f.type == "bool" and not isinstance(v, bool):
+        if kind == "bool" and not isinstance(v, bool):
             raise ConfigError(f"{name}: expected true or false, got {v!r}")
-    kube = cfg.kubeconfig or env.get("KUBECONFIG", "") or (
+    src = cfg.source
+    kube = src.kubeconfig or env.get("KUBECONFIG", "") or (
         "in-cluster" if env.get("KUBERNETES_SERVICE_HOST") else "")
-    demo = not cfg.manifest and not kube
-    cfg = replace(cfg, kubeconfig="" if cfg.manifest else kube, demo=demo)
+    demo = not src.manifest and not kube
+    cfg = cfg.with_options(kubeconfig="" if src.manifest else kube, demo=demo)
     if demo:
         # The demo cluster's own node, so local endpoints and masquerade rules show.
-        cfg = replace(cfg, node_name=cfg.node_name or DEMO_NODE[0], node_ips=cfg.node_ips or DEMO_NODE[1],
-                      cluster_cidrs=cfg.cluster_cidrs or DEMO_NODE[2], service_cidrs=cfg.service_cidrs or DEMO_NODE[3])
+        px = cfg.proxy
+        cfg = cfg.with_options(node_name=px.node_name or DEMO_NODE[0], node_ips=px.node_ips or DEMO_NODE[1],
+                               cluster_cidrs=px.cluster_cidrs or DEMO_NODE[2],
+                               service_cidrs=px.service_cidrs or DEMO_NODE[3])
     return _validate(cfg)

@@ -67,19 +67,19 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
 
     if cfg is None:
         return []
-    h = at(cfg.health_listen)
+    h = at(cfg.agent.health_listen)
     if h is not None:
         h.health = True
         h.kinds.append("health")
-    proxy = at(cfg.proxy_metrics_listen) if "proxy" in roles else None
-    dns = at(cfg.metrics_listen) if "dns" in roles else None
+    proxy = at(cfg.agent.proxy_metrics_listen) if "proxy" in roles else None
+    dns = at(cfg.agent.metrics_listen) if "dns" in roles else None
     if dns is not None:
         dns.registries.append(metrics.DNS)
         dns.kinds.append("metrics")
     if proxy is not None:
         proxy.registries += [metrics.PROXY, metrics.SHARED]
         proxy.kinds.append("proxy-metrics")
-        proxy.proxy_mode = cfg.proxy_mode
+        proxy.proxy_mode = cfg.proxy.proxy_mode
         # Only a listener of its own may fail to bind without stopping the process.
         proxy.optional = proxy.kinds == ["proxy-metrics"]
     elif dns is not None:

@@ -120,7 +120,7 @@ class WireAsker:
 
 def pod_resolv_conf(namespace: str, cfg: Config, state: ClusterState) -> resolvconf.ResolvConf:
     """What kubelet writes for a ClusterFirst pod in `namespace`."""
-    zone = cfg.cluster_domain
+    zone = cfg.dns.cluster_domain
     search = (f"{namespace}.svc.{zone}", f"svc.{zone}", zone)
     return resolvconf.ResolvConf(nameservers=_kube_dns_ips(state, cfg)[:1], search=search, ndots=5,
                                  options=("ndots:5",))
@@ -130,20 +130,20 @@ def _kube_dns_ips(state: ClusterState, cfg: Config) -> tuple[str, ...]:
     svc = state.services.get(KUBE_DNS)
     if svc is not None and svc.cluster_ips:
         return svc.cluster_ips
-    return cfg.local_ips
+    return cfg.dns.local_ips
 
 
 def resolver_view(cfg: Config, state: ClusterState) -> tuple[resolvconf.ResolvConf, dict]:
     """The resolv.conf to replay and a description of where it came from."""
-    if cfg.trace_resolv_conf:
+    if cfg.run.trace_resolv_conf:
         try:
-            conf = resolvconf.read(cfg.trace_resolv_conf)
+            conf = resolvconf.read(cfg.run.trace_resolv_conf)
         except OSError as exc:
-            raise TraceError(f"{cfg.trace_resolv_conf}: {exc.strerror or exc}") from None
-        return conf, {"source": "file", "path": cfg.trace_resolv_conf, "pod": None, "client_ip": None}
+            raise TraceError(f"{cfg.run.trace_resolv_conf}: {exc.strerror or exc}") from None
+        return conf, {"source": "file", "path": cfg.run.trace_resolv_conf, "pod": None, "client_ip": None}
     namespace, pod_name = "default", ""
-    from_pod = cfg.from_pod
-    if not from_pod and cfg.demo and DEMO_POD in state.pods:
+    from_pod = cfg.run.from_pod
+    if not from_pod and cfg.source.demo and DEMO_POD in state.pods:
         from_pod = "/".join(DEMO_POD)       # the client pod of the design's path
     if from_pod:
         namespace, pod_name = from_pod.split("/", 1)
@@ -218,7 +218,7 @@ def find_service(state: ClusterState, cfg: Config, fqdn: str | None, addresses: 
     """The Service a resolved name belongs to: by name under <zone>, else by ClusterIP."""
     if fqdn:
         labels = fqdn.rstrip(".").lower().split(".")
-        zone = cfg.cluster_domain.split(".")
+        zone = cfg.dns.cluster_domain.split(".")
         if labels[-len(zone):] == zone and len(labels) == len(zone) + 3 and labels[-len(zone) - 1] == "svc":
             svc = state.services.get((labels[1], labels[0]))
             if svc is not None:
@@ -291,7 +291,7 @@ def _masq_reason(rule: str, cfg: Config) -> str:
         return f"hairpin: the endpoint {m.group(1)} reaching itself through the Service"
     if chain.startswith("KUBE-EXT-"):
         return "all external traffic (externalTrafficPolicy Cluster)"
-    if cfg.masquerade_all:
+    if cfg.proxy.masquerade_all:
         return "all traffic (--masquerade-all)"
     return "always"
 
@@ -300,8 +300,8 @@ def iptables_path(state: ClusterState, cfg: Config, svc, family: int) -> list[di
     """The service's rules as the iptables proxier renders them, port by port."""
     from .proxy import iptables as ipt
     from .proxy.servicemap import service_ports_for
-    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
-    ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
+    node = state.nodes.get(cfg.proxy.node_name) if cfg.proxy.node_name else None
+    ports = service_ports_for(state, svc.key, family, cfg.proxy.node_name, node.zone if node else "")
     if not ports:
         return []
     tables = _iptables_tables(ipt.render(state, cfg, family).text)
@@ -390,7 +390,7 @@ def _ipvs_masq_reason(rule: str, cfg: Config) -> str:
         return "traffic to an external IP (externalTrafficPolicy Cluster)"
     if "KUBE-LOAD-BALANCER" in rule:
         return "LoadBalancer traffic (externalTrafficPolicy Cluster)"
-    if cfg.masquerade_all:
+    if cfg.proxy.masquerade_all:
         return "all traffic (--masquerade-all)"
     return "always"
 
@@ -400,8 +400,8 @@ def ipvs_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
     it and the iptables rules matching those ipsets, as the IPVS proxier renders them."""
     from .proxy import ipvs
     from .proxy.servicemap import service_ports_for
-    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
-    ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
+    node = state.nodes.get(cfg.proxy.node_name) if cfg.proxy.node_name else None
+    ports = service_ports_for(state, svc.key, family, cfg.proxy.node_name, node.zone if node else "")
     if not ports:
         return []
     conf = ipvs.render(state, cfg, family)
@@ -470,9 +470,9 @@ def ipvs_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
 
 def make_asker(cfg: Config, state: ClusterState, resolver: dict, conf: resolvconf.ResolvConf) -> Asker:
     """A running server when --listen is given, else an in-process engine on `state`."""
-    if cfg.listen:
+    if cfg.dns.listen:
         host, port = cfg.listen_addresses()[0]
-        return WireAsker(host, port, zones=cfg.zones)
+        return WireAsker(host, port, zones=cfg.dns.zones)
     from .dns.engine import Engine
     from .dns.forward import Forward
     forwarder = Forward.from_config(cfg)
@@ -482,7 +482,7 @@ def make_asker(cfg: Config, state: ClusterState, resolver: dict, conf: resolvcon
     ups = ", ".join(u.address for u in getattr(forwarder, "upstreams", ()))
     return EngineAsker(engine, resolver.get("client_ip") or "127.0.0.1",
                        f"in-process engine (state version {state.version}; "
-                       + (f"upstream {ups})" if ups else "no upstream)"), seen, cfg.zones)
+                       + (f"upstream {ups})" if ups else "no upstream)"), seen, cfg.dns.zones)
 
 
 async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = None) -> dict:
@@ -492,18 +492,18 @@ async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = No
                      "nameservers": list(conf.nameservers), "options": list(conf.options)})
     asker = asker or make_asker(cfg, state, resolver, conf)
     try:
-        result = await walk(cfg.name, conf, asker)
+        result = await walk(cfg.run.name, conf, asker)
     finally:
         seen = getattr(asker, "seen", None)
         if seen is not None and hasattr(seen.inner, "close"):
             await seen.inner.close()
     svc = find_service(state, cfg, result["stopped_at"], result["addresses"])
-    mode = cfg.proxy_mode if cfg.proxy_mode != "none" else "iptables"
+    mode = cfg.proxy.proxy_mode if cfg.proxy.proxy_mode != "none" else "iptables"
     family = 4
     if result["addresses"] and ":" in result["addresses"][0]:
         family = 6
     data: dict[str, Any] = {
-        "schema": SCHEMA, "name": cfg.name, "resolver": resolver, "server": asker.description,
+        "schema": SCHEMA, "name": cfg.run.name, "resolver": resolver, "server": asker.description,
         "libc": "glibc", "walk": result, "service": None, "rules": None, "endpoints": [],
     }
     if svc is not None:
@@ -539,8 +539,8 @@ def nftables_path(state: ClusterState, cfg: Config, svc, family: int, mode: str)
     except ImportError:
         raise TraceError(f"--proxy-mode {mode}: this build cannot render its rules") from None
     from .proxy.servicemap import service_ports_for
-    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
-    ports = service_ports_for(state, svc.key, family, cfg.node_name, node.zone if node else "")
+    node = state.nodes.get(cfg.proxy.node_name) if cfg.proxy.node_name else None
+    ports = service_ports_for(state, svc.key, family, cfg.proxy.node_name, node.zone if node else "")
     if not ports:
         return []
     table = nft.build(state, cfg, family)

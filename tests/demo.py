@@ -6,7 +6,7 @@ from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import ClusterState, state_from_records
 
 # The demo's own node, as `clusterdns rules` on the demo uses it, with both families' CIDRs.
-DEMO_CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",),
+DEMO_CFG = Config.from_options(command="rules", node_name="node-a", node_ips=("192.168.49.2",),
                   cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"),
                   service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
 

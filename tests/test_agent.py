@@ -424,25 +424,25 @@ async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
         conf.write_text("ttl: 17\nmin-sync-period: 0\n")
         assert await until(lambda: _ttl(agent, A_NAME, 17), timeout=5)
         assert await until(lambda: _value(agent.reloads == 1), timeout=5)   # the old listener closes after
-        assert agent.cfg.ttl == 17
-        assert agent.proxier.cfg.min_sync_period == 0
+        assert agent.cfg.dns.ttl == 17
+        assert agent.proxier.cfg.proxy.min_sync_period == 0
         # The proxier and the source restart on a reload that changes their options;
         # the agent keeps running and changes keep flowing.
         waiting = asyncio.ensure_future(agent.wait())
         conf.write_text("ttl: 17\nmin-sync-period: 0.1\npods: verified\n")
         assert await until(lambda: _value(agent.reloads == 2), timeout=5)
-        assert agent.proxier.cfg.min_sync_period == 0.1 and agent.source.store is agent.store
+        assert agent.proxier.cfg.proxy.min_sync_period == 0.1 and agent.source.store is agent.store
         agent.source.interval = 0.05
         manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
         assert await until(lambda: _answers_quietly(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=5)
         assert not waiting.done()
         conf.write_text("ttl: [not, a, number\n")           # broken YAML
         assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
-        assert agent.cfg.ttl == 17
+        assert agent.cfg.dns.ttl == 17
         assert (await ask(agent.dns.bound[0][1], A_NAME))[2] == 17   # still served, old config
         conf.write_text("ttl: 99999\n")                      # valid YAML, invalid value
         assert await until(lambda: _value(agent.reload_errors >= 2), timeout=5)
-        assert agent.cfg.ttl == 17
+        assert agent.cfg.dns.ttl == 17
         assert await agent.reload() is False                 # SIGHUP path, same result
         agent.begin_shutdown()
         assert await asyncio.wait_for(waiting, 5) == 0
@@ -471,7 +471,7 @@ async def test_reload_onto_a_busy_port_keeps_the_running_listener(tmp_path):
         assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
         # The old listener still answers, with the old configuration, and nothing else moved.
         assert agent.dns.bound == [("127.0.0.1", first)]
-        assert agent.cfg.ttl == 5 and agent.cfg.listen_addresses() == [("127.0.0.1", first)]
+        assert agent.cfg.dns.ttl == 5 and agent.cfg.listen_addresses() == [("127.0.0.1", first)]
         assert await ask(first, A_NAME) == ("NOERROR", ["10.96.0.5"], 5)
         # A later reload onto a free port moves the listener.
         conf.write_text(f"listen: ['127.0.0.1:{third}']\nmin-sync-period: 0\nttl: 9\n")
@@ -502,7 +502,7 @@ async def _value(v):
 async def test_demo_mode_banner_and_printing_proxier(capsys):
     cfg = load(["agent", "--listen", "127.0.0.1:0", "--no-upstream", "--health-listen", "none",
                 "--metrics-listen", "none", "--proxy-metrics-listen", "none"], env={})
-    assert cfg.demo and not cfg.applying
+    assert cfg.source.demo and not cfg.applying
     agent = Agent(cfg)
     await agent.start()
     try:

@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import timeit
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +68,7 @@ class Impl:
     def engine(self, records, **options):
         store = self.StateStore()
         self.publish(store, records)
-        engine = self.Engine(replace(self.Config(), **options))
+        engine = self.Engine(self.Config().with_options(**options))
         engine.update(store.current)
         return engine
 
@@ -77,7 +76,7 @@ class Impl:
 def engine_for(records, **options) -> Engine:
     store = StateStore()
     publish(store, records)
-    engine = Engine(replace(Config(), **options))
+    engine = Engine(Config().with_options(**options))
     engine.update(store.current)
     return engine
 

@@ -44,7 +44,7 @@ def main() -> int:
     ns = f"cdipt-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        cfg = Config(cluster_cidrs=("10.0.0.0/8",), sync_period=3600.0)
+        cfg = Config.from_options(cluster_cidrs=("10.0.0.0/8",), sync_period=3600.0)
         store = StateStore()
         with store.batch():
             for kind, rec in synthetic_records(services=args.services, endpoints=args.endpoints):

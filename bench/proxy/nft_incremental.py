@@ -26,7 +26,7 @@ from clusterdns.sources.manifest import publish
 from clusterdns.state import StateStore
 from clusterdns.synthetic import synthetic_records
 
-CFG = Config(command="proxy", node_name="node-0", node_ips=("192.168.0.2",),
+CFG = Config.from_options(command="proxy", node_name="node-0", node_ips=("192.168.0.2",),
              cluster_cidrs=("10.0.0.0/8",), service_cidrs=("10.96.0.0/12",))
 
 

@@ -18,7 +18,7 @@ from clusterdns.proxy import iptables, ipvs, nftables, servicemap
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
 
-CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+CFG = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
 RENDERS = {
     "iptables": lambda st: iptables.render(st, CFG, 4),
     "nftables": lambda st: nftables.render(st, CFG, 4),

@@ -58,11 +58,11 @@ async def serve(cfg: Config, argv: list[str] | None) -> int:
 
 def run(cfg: Config) -> int:
     argv = sys.argv[1:] if sys.argv and sys.argv[1:2] == ["agent"] else None
-    if cfg.loop in ("auto", "uvloop"):
+    if cfg.agent.loop in ("auto", "uvloop"):
         try:
             import uvloop
         except ImportError:
-            if cfg.loop == "uvloop":
+            if cfg.agent.loop == "uvloop":
                 raise UsageError("--loop uvloop: uvloop is not installed") from None
         else:
             return uvloop.run(serve(cfg, argv))

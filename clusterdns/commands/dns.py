@@ -54,10 +54,10 @@ async def serve(cfg: Config) -> int:
         log.error("state source stopped: %s", error or "ended")
         code = 1
     else:
-        if cfg.lameduck > 0:
-            log.info("shutting down: lameduck for %gs (still answering, /ready 503)", cfg.lameduck)
+        if cfg.agent.lameduck > 0:
+            log.info("shutting down: lameduck for %gs (still answering, /ready 503)", cfg.agent.lameduck)
             health.lameduck = True
-            await asyncio.sleep(cfg.lameduck)
+            await asyncio.sleep(cfg.agent.lameduck)
         log.info("shutting down")
     waiter.cancel()
     source_task.cancel()
@@ -68,7 +68,7 @@ async def serve(cfg: Config) -> int:
 
 
 def run(cfg: Config) -> int:
-    loop_kind = cfg.loop
+    loop_kind = cfg.agent.loop
     if loop_kind in ("auto", "uvloop"):
         try:
             import uvloop

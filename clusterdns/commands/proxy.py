@@ -55,7 +55,7 @@ async def _serve(cfg: Config) -> int:
 
 
 def run(cfg: Config) -> int:
-    if cfg.cleanup:
+    if cfg.run.cleanup:
         try:
             removed = asyncio.run(cleanup(cfg))
         except ApplyError as exc:

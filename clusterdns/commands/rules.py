@@ -38,9 +38,9 @@ def run(cfg: Config) -> int:
     # One pass over a state built once and thrown away: the cyclic collector would
     # only rescan it (about 1.5 s of 3 at 10,000 Services x 10 endpoints).
     with gc_paused():
-        mode = cfg.mode or (cfg.proxy_mode if cfg.proxy_mode != "none" else "iptables")
+        mode = cfg.run.mode or (cfg.proxy.proxy_mode if cfg.proxy.proxy_mode != "none" else "iptables")
         state = load_once(cfg)
         retain(state)
-        sys.stdout.write(render_text(state, cfg, mode, cfg.family))
+        sys.stdout.write(render_text(state, cfg, mode, cfg.proxy.family))
         sys.stdout.flush()
     return 0

@@ -36,7 +36,7 @@ def run(cfg: Config) -> int:
     finally:
         root.handlers = others
     data["log"] = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in held.records]
-    if cfg.json:
+    if cfg.run.json:
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:

@@ -113,18 +113,18 @@ class Engine:
     def __init__(self, cfg: Config, forwarder: Forwarder | None = None,
                  server_addresses: Callable[[], list[str]] = lambda: []) -> None:
         self.cfg = cfg
-        self.forwarder = None if cfg.no_upstream else forwarder
+        self.forwarder = None if cfg.dns.no_upstream else forwarder
         self.server_addresses = server_addresses
-        self.selector = names.parse_selector(cfg.namespace_labels) if cfg.namespace_labels else None
-        self.udp_size = cfg.udp_size
-        self._opt = opt_record(cfg.udp_size, False)
-        self._opt_do = opt_record(cfg.udp_size, True)
-        self._fall = None if cfg.fallthrough is None else [names.split_name(z) for z in cfg.fallthrough]
+        self.selector = names.parse_selector(cfg.dns.namespace_labels) if cfg.dns.namespace_labels else None
+        self.udp_size = cfg.dns.udp_size
+        self._opt = opt_record(cfg.dns.udp_size, False)
+        self._opt_do = opt_record(cfg.dns.udp_size, True)
+        self._fall = None if cfg.dns.fallthrough is None else [names.split_name(z) for z in cfg.dns.fallthrough]
         self._search: tuple[str, ...] = ()
-        if cfg.autopath:
+        if cfg.dns.autopath:
             try:
-                self._search = tuple(s for s in resolvconf.read(cfg.resolv_conf).search
-                                     if s.strip(".").lower() != cfg.cluster_domain)
+                self._search = tuple(s for s in resolvconf.read(cfg.dns.resolv_conf).search
+                                     if s.strip(".").lower() != cfg.dns.cluster_domain)
             except OSError:
                 pass
         self._view = ZoneView(cfg, None, None, self.selector, server_addresses)
@@ -132,7 +132,7 @@ class Engine:
         self._fcache = getattr(self.forwarder, "cache", None)
         self._probes = getattr(self.forwarder, "loop_probes", None) or {}
         # bounded like the cache it mirrors (least recently used go)
-        self._fwd = Lru(max(1024, cfg.cache_size))
+        self._fwd = Lru(max(1024, cfg.dns.cache_size))
         # the SOA authority under svc.<zone> of the current view, by (zone, offset of the zone)
         self._nx_view: ZoneView | None = None
         self._nx_entries: dict[tuple, Body] = {}
@@ -374,7 +374,7 @@ class Engine:
             if self._fall is not None and self._falls_through(q.labels):
                 if self.forwarder is not None:
                     return await self._forward(q)
-            if self.cfg.autopath:
+            if self.cfg.dns.autopath:
                 reply = await self._autopath(q, view)
                 if reply is not None:
                     return reply
@@ -473,7 +473,7 @@ class Engine:
         """An NXDOMAIN that is the same for every client: no fallthrough, no autopath may apply."""
         if self._fall is not None and self._falls_through(labels):
             return False
-        if self.cfg.autopath:
+        if self.cfg.dns.autopath:
             zone = view.primary
             k = len(labels) - len(zone)
             if k >= 3 and labels[k - 1] == "svc" and labels[k:] == zone:
@@ -544,7 +544,7 @@ class Engine:
         pods = view.state.pods_by_ip.get(q.client_ip)
         if not pods:
             return None
-        zone = names.split_name(self.cfg.cluster_domain)
+        zone = names.split_name(self.cfg.dns.cluster_domain)
         first = (pods[0].namespace, "svc") + zone
         n = len(q.labels) - len(first)
         if n <= 0 or q.labels[n:] != first:
@@ -593,7 +593,7 @@ class Engine:
 
     async def _transfer(self, q: _Query, view: ZoneView) -> bytes | list[bytes]:
         """AXFR/IXFR of a served forward zone: over TCP with --transfer only."""
-        if not self.cfg.transfer or not q.tcp:
+        if not self.cfg.dns.transfer or not q.tcp:
             return self._error(q, REFUSED)
         zone = names.zone_of(q.labels, view.zones)
         if zone is None or zone != q.labels or names.is_reverse(zone):

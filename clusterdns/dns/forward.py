@@ -78,20 +78,20 @@ class Upstream:
 
 def upstreams_from(cfg: Config) -> list[tuple[str, int]]:
     """--upstream, else the nameservers of --resolv-conf (empty if unreadable)."""
-    if cfg.upstream:
-        found = [parse_hostport(u, 53) for u in cfg.upstream]
+    if cfg.dns.upstream:
+        found = [parse_hostport(u, 53) for u in cfg.dns.upstream]
     else:
         try:
-            conf = resolvconf.read(cfg.resolv_conf)
+            conf = resolvconf.read(cfg.dns.resolv_conf)
         except OSError as exc:
-            log.warning("cannot read %s (%s): no upstreams", cfg.resolv_conf, exc.strerror or exc)
+            log.warning("cannot read %s (%s): no upstreams", cfg.dns.resolv_conf, exc.strerror or exc)
             return []
         found = []
         for ns in conf.nameservers:
             try:
                 found.append(parse_hostport(ns.split("%", 1)[0], 53))
             except ValueError:
-                log.warning("%s: ignoring nameserver %r", cfg.resolv_conf, ns)
+                log.warning("%s: ignoring nameserver %r", cfg.dns.resolv_conf, ns)
     if len(found) > MAX_UPSTREAMS:
         log.warning("using the first %d of %d upstreams", MAX_UPSTREAMS, len(found))
     return found[:MAX_UPSTREAMS]
@@ -174,9 +174,9 @@ class Forward:
     @classmethod
     def from_config(cls, cfg: Config) -> "Forward | None":
         """The forwarder cfg asks for; None with --no-upstream."""
-        if cfg.no_upstream:
+        if cfg.dns.no_upstream:
             return None
-        cache = Cache(cfg.cache_size, cfg.cache_min_ttl, cfg.cache_max_ttl) if cfg.cache_size > 0 else None
+        cache = Cache(cfg.dns.cache_size, cfg.dns.cache_min_ttl, cfg.dns.cache_max_ttl) if cfg.dns.cache_size > 0 else None
         return cls(upstreams_from(cfg), cache)
 
     def healthy(self, up: Upstream) -> bool:

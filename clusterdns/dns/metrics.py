@@ -189,19 +189,19 @@ def _plugin(f2: int, f3: int, part: int) -> str:
 def plugins_for(cfg, forwarder) -> tuple[str, ...]:
     """The CoreDNS plugins whose job this configuration does (coredns_plugin_enabled)."""
     names = ["errors", "kubernetes", "loadbalance"]
-    if getattr(cfg, "health_listen", "none") != "none":
+    if cfg.agent.health_listen != "none":
         names += ["health", "ready"]
-    if getattr(cfg, "metrics_listen", "none") != "none":
+    if cfg.agent.metrics_listen != "none":
         names.append("prometheus")
     if forwarder is not None:
         names += ["forward", "loop"]
         if getattr(forwarder, "cache", None) is not None:
             names.append("cache")
-    if getattr(cfg, "autopath", False):
+    if cfg.dns.autopath:
         names.append("autopath")
-    if getattr(cfg, "transfer", False):
+    if cfg.dns.transfer:
         names.append("transfer")
-    if getattr(cfg, "config_file", ""):
+    if cfg.agent.config_file:
         names.append("reload")
     return tuple(sorted(names))
 

@@ -653,9 +653,9 @@ class DnsService:
     def _tcp_handler(self, stats: metrics.ServerStats) -> Callable:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             conns = self._tcp_conns
-            if len(conns) >= self.cfg.tcp_max_connections and not self._evict_idle():
+            if len(conns) >= self.cfg.dns.tcp_max_connections and not self._evict_idle():
                 self._note("tcp-full", "TCP connection limit (%d) reached with none idle: "
-                           "refused %d new connection(s)", self.cfg.tcp_max_connections)
+                           "refused %d new connection(s)", self.cfg.dns.tcp_max_connections)
                 writer.transport.abort()
                 return
             conn = _TcpConn(writer)
@@ -694,7 +694,7 @@ class DnsService:
         self._tcp_conns.pop(oldest.writer, None)
         oldest.writer.transport.abort()
         self._note("tcp-evict", "TCP connection limit (%d) reached: closed %d idle connection(s), "
-                   "the oldest first", self.cfg.tcp_max_connections)
+                   "the oldest first", self.cfg.dns.tcp_max_connections)
         return True
 
     def _note(self, kind: str, msg: str, *args) -> None:
@@ -794,7 +794,7 @@ class DnsService:
         loop = asyncio.get_running_loop()
         try:
             for host, port in self.cfg.listen_addresses():
-                workers = max(1, getattr(self.cfg, "workers", 1))
+                workers = max(1, self.cfg.dns.workers)
                 udp, tcp = _bind(host, port, self.reuse_port, udp_reuse_port=workers > 1)
                 real = udp.getsockname()[1]
                 socks = [udp]
@@ -866,5 +866,5 @@ def banner(service: DnsService) -> str:
         ups = "none (--no-upstream: REFUSED)"
     else:
         ups = ", ".join(u.address for u in up) if up else "none found (SERVFAIL)"
-    return (f"clusterdns dns {os.getpid()}: serving {', '.join(service.cfg.zones)} on {addrs} "
+    return (f"clusterdns dns {os.getpid()}: serving {', '.join(service.cfg.dns.zones)} on {addrs} "
             f"(UDP+TCP); upstreams: {ups}")

@@ -285,15 +285,15 @@ class ZoneView:
         st = self.state
         self.selector = selector
         self.server_addresses = server_addresses
-        self.ttl = cfg.ttl
+        self.ttl = cfg.dns.ttl
         self.serial = st.serial & 0xFFFFFFFF
         needed = ["Service", "EndpointSlice"]
-        if cfg.namespace_labels:
+        if cfg.dns.namespace_labels:
             needed.append("Namespace")
-        if cfg.pods == "verified" or cfg.autopath:
+        if cfg.dns.pods == "verified" or cfg.dns.autopath:
             needed.append("Pod")
         self.synced = state is not None and st.is_synced(*needed)
-        zones = [names.split_name(z) for z in cfg.zones]
+        zones = [names.split_name(z) for z in cfg.dns.zones]
         self.zones = sorted(zones, key=len, reverse=True)
         forward = [z for z in zones if not names.is_reverse(z)]
         self.primary: Labels = forward[0] if forward else zones[0]
@@ -356,7 +356,7 @@ class ZoneView:
         old = prev.services if prev is not None else {}
         services: dict[tuple[str, str], ServiceData] = {}
         by_service = self.by_service
-        pod_names, noeps = self.cfg.endpoint_pod_names, self.cfg.noendpoints
+        pod_names, noeps = self.cfg.dns.endpoint_pod_names, self.cfg.dns.noendpoints
         for key, svc in self.state.services.items():
             slices = by_service.get(key, ())
             o = old.get(key)
@@ -418,7 +418,7 @@ class ZoneView:
 
     def _compute_exposed(self, ns: str) -> bool:
         cfg = self.cfg
-        if cfg.namespaces and ns not in cfg.namespaces:
+        if cfg.dns.namespaces and ns not in cfg.dns.namespaces:
             return False
         obj = self.state.namespaces.get(ns)
         if self.selector is not None:
@@ -434,7 +434,7 @@ class ZoneView:
             return None
         if sd.kind == "headless" and not sd.ready:
             return None
-        if sd.kind == "cluster" and self.cfg.ignore_empty_service and not sd.ready:
+        if sd.kind == "cluster" and self.cfg.dns.ignore_empty_service and not sd.ready:
             return None
         if sd.kind == "external" and not sd.target:
             return None
@@ -626,7 +626,7 @@ class ZoneView:
         if kind == "nsname":
             return _Res(self._addr(owner, self._own_addresses(), qtype), cacheable=False)
         if kind == "podns":
-            return _ENT if self.cfg.pods != "disabled" and self.exposed(p.namespace) else None
+            return _ENT if self.cfg.dns.pods != "disabled" and self.exposed(p.namespace) else None
         if kind == "pod":
             return self._pod_node(owner, p.namespace, p.endpoint, qtype)
         return None
@@ -709,7 +709,7 @@ class ZoneView:
         return _Res(self._addr(owner, ips, qtype))
 
     def _pod_node(self, owner: DNSLabel, ns: str, podlabel: str, qtype: int) -> _Res | None:
-        mode = self.cfg.pods
+        mode = self.cfg.dns.pods
         if mode == "disabled" or not self.exposed(ns):
             return None
         ip = names.pod_label_ip(podlabel)

@@ -81,7 +81,7 @@ def _q(comment: str) -> str:
 
 
 def mark_hex(cfg: Config) -> str:
-    return hex(1 << cfg.masquerade_bit)
+    return hex(1 << cfg.proxy.masquerade_bit)
 
 
 def jump_rules(cfg: Config, family: int = 4) -> list[tuple[str, str, str]]:
@@ -171,7 +171,7 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     tops: dict[tuple[str, str], tuple[list[str], list[str], list[str], list[str]]] = {}
     delta = not full and previous is not None
     blocks: dict[tuple[str, str], list[tuple[str, str, int]]] = {}   # delta: changed Services' chains
-    ctx = (family, node.local_cidr, node.primary_ip, cfg.masquerade_all, large)
+    ctx = (family, node.local_cidr, node.primary_ip, cfg.proxy.masquerade_all, large)
     old = _BLOCKS.get(ctx, {})
     cache: dict[int, tuple] = {}
     for pair in ports:
@@ -449,7 +449,7 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
     rules: list[str] = []
     if has_internal:
         args = f'-m comment --comment "{name} cluster IP" {pp} -d {cip} --dport {port}'
-        if cfg.masquerade_all:
+        if cfg.proxy.masquerade_all:
             rules.append(f"-A {internal_chain} {args} -j {n.KUBE_MARK_MASQ}")
         elif node.local_cidr:
             rules.append(f"-A {internal_chain} {args} ! -s {node.local_cidr} -j {n.KUBE_MARK_MASQ}")

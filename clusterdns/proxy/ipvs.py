@@ -288,7 +288,7 @@ def _iptables_text(entries: dict[str, set[str]], cfg: Config, local_cidr: str, f
         (flt if table == "filter" else nat).append(rule)
     if entries[CLUSTER_IP]:
         args = f"-A KUBE-SERVICES -m comment --comment {comment(CLUSTER_IP)} -m set --match-set {name(CLUSTER_IP)}"
-        if cfg.masquerade_all:
+        if cfg.proxy.masquerade_all:
             nat.append(f"{args} dst,dst -j KUBE-MARK-MASQ")
         elif local_cidr:
             nat.append(f"{args} dst,dst ! -s {local_cidr} -j KUBE-MARK-MASQ")

@@ -573,7 +573,7 @@ def build(state: ClusterState, cfg: Config, family: int = 4, cache: RenderCache 
 
 def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, tuple[str, ...]]:
     """(all local addresses?, else these): kube-proxy's nftables default is the primary node IP."""
-    if cfg.nodeport_addresses:
+    if cfg.proxy.nodeport_addresses:
         if not node.nodeport_all:
             # loopback never accepts NodePorts in nftables mode
             return False, tuple(ip for ip in node.nodeport_ips if ip not in ("127.0.0.1", "::1"))
@@ -628,7 +628,7 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
     buckets = {b: _assign(v) for b, v in by_bucket.items()}
     index = {sk: (b, i) for b, sks in buckets.items() for sk, i in sks.items()}
     _, ipx, addr_type = _fam(family)
-    ctx = (family, node, zone, cfg.masquerade_all)
+    ctx = (family, node, zone, cfg.proxy.masquerade_all)
     old = cache.entries if cache is not None and cache.context == ctx else {}
     entries: dict[tuple[str, str], tuple] = {}
     owned: dict[tuple[str, str], Objects] = {}
@@ -652,7 +652,7 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
 def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeInfo, zone: str,
                      previous: NftState, changed: set[tuple[str, str]]):
     """The new Objects of the changed Services, and of those whose slot moved because of them."""
-    pairs = {key: service_ports_for(state, key, family, cfg.node_name, zone) for key in changed}
+    pairs = {key: service_ports_for(state, key, family, cfg.proxy.node_name, zone) for key in changed}
     buckets = dict(previous.buckets)
     touched: set[tuple[str, int]] = set()
     for key, ps in pairs.items():
@@ -674,7 +674,7 @@ def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeIn
         for sk, i in buckets.get(b, {}).items():
             mate = (sk[0], sk[1])
             if before.get(sk) != i and mate not in pairs:
-                pairs[mate] = service_ports_for(state, mate, family, cfg.node_name, zone)
+                pairs[mate] = service_ports_for(state, mate, family, cfg.proxy.node_name, zone)
     _, ipx, addr_type = _fam(family)
     updates: dict[tuple[str, str], Objects | None] = {}
     for key, ps in pairs.items():
@@ -702,7 +702,7 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
     """The table's fixed layout, and the context every Service's objects depend on."""
     _, ipx, addr_type = _fam(family)
     node = node_info(state, cfg, family)
-    mark = hex(1 << cfg.masquerade_bit)
+    mark = hex(1 << cfg.proxy.masquerade_bit)
     np_all, np_ips = nodeport_addresses(cfg, node, family)
     b = _Builder()
 
@@ -724,7 +724,7 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
     check = b.chain("cluster-ips-check")
     check.append(rule(Lookup((f"{ipx} daddr",), CLUSTER_IPS), Verdict("reject"),
                       comment="Reject traffic to invalid ports of ClusterIPs"))
-    cidrs = tuple(c for c in cfg.service_cidrs if (":" in c) == (family == 6))
+    cidrs = tuple(c for c in cfg.proxy.service_cidrs if (":" in c) == (family == 6))
     if cidrs:
         check.append(rule(AddrIn(ipx, "daddr", cidrs), Verdict("drop"), comment="Drop traffic to unallocated ClusterIPs"))
 
@@ -766,11 +766,11 @@ def _base(state: ClusterState, cfg: Config, family: int) -> tuple[Objects, tuple
     b.chain(SERVICES).append(rule(*np_match, Vmap(np_key, SERVICE_NODEPORTS)))
 
     zone = ""
-    if cfg.node_name and cfg.node_name in state.nodes:
-        zone = state.nodes[cfg.node_name].zone
+    if cfg.proxy.node_name and cfg.proxy.node_name in state.nodes:
+        zone = state.nodes[cfg.proxy.node_name].zone
     base = b.objects()
     # everything a Service's objects depend on besides the Service itself
-    context = (base, node, zone, cfg.masquerade_all)
+    context = (base, node, zone, cfg.proxy.masquerade_all)
     return base, context, node, zone
 
 
@@ -820,7 +820,7 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
             b.element(np_set, (proto, nport), None, name)
 
     masq: Rule | None = None
-    if cfg.masquerade_all:
+    if cfg.proxy.masquerade_all:
         masq = rule(Addr(ipx, "daddr", cip), Dport(proto, port), Verdict("jump", MARK_MASQ))
     elif node.local_cidr:
         masq = rule(Addr(ipx, "daddr", cip), Dport(proto, port), Addr(ipx, "saddr", node.local_cidr, neg=True),

@@ -89,7 +89,7 @@ SERVICE_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_service_changes_pend
 def node_families(cfg: Config) -> list[int]:
     """The families to program: those of --node-ip (both on a dual-stack node), else IPv4."""
     fams = []
-    for ip in cfg.node_ips:
+    for ip in cfg.proxy.node_ips:
         v = ipaddress.ip_address(ip).version
         if v not in fams:
             fams.append(v)
@@ -147,7 +147,7 @@ class IptablesBackend:
         all_missing = True
         # iptables-save is slow on big rule sets: in large clusters look for
         # stale chains at most once per sync period (kube-proxy does the same).
-        if self.applying and (full or not self.large or now - self.last_cleanup >= self.cfg.sync_period):
+        if self.applying and (full or not self.large or now - self.last_cleanup >= self.cfg.proxy.sync_period):
             save = "".join([await self.exe.save("nat"), await self.exe.save("filter")])
             # one light pass, in a thread: the dump is 300,000 lines at 10,000 Services
             kube, present = await asyncio.to_thread(iptsave.summary, save)
@@ -322,12 +322,12 @@ class Proxier:
         self._tool_runner = runner
         self.families = [family] if family else node_families(cfg)
         self.backends = {}
-        if cfg.proxy_mode in BACKENDS:
-            self.backends = {f: BACKENDS[cfg.proxy_mode](runner, cfg, f, applying=self.applying)
+        if cfg.proxy.proxy_mode in BACKENDS:
+            self.backends = {f: BACKENDS[cfg.proxy.proxy_mode](runner, cfg, f, applying=self.applying)
                              for f in self.families}
         self.conntrack = ({f: ConntrackCleaner(runner, f) for f in self.families}
                           if self.applying and self.backends else {})
-        self.health = ProxierHealth(2 * cfg.sync_period, clock)
+        self.health = ProxierHealth(2 * cfg.proxy.sync_period, clock)
         self.service_health = ServiceHealthServers(health_host) if self.applying and self.backends else None
         self.applied_version = 0
         self.applied_state = ClusterState()
@@ -346,8 +346,8 @@ class Proxier:
         self._leftovers_checked = False
         self._no_local: dict[tuple[str, str], tuple[int, int]] = {}
         self._synced_event = asyncio.Event()
-        self._runner = BoundedFrequencyRunner("sync-proxy-rules", self._sync, cfg.min_sync_period,
-                                              cfg.sync_period, burst=2, clock=monotonic, sleep=sleep)
+        self._runner = BoundedFrequencyRunner("sync-proxy-rules", self._sync, cfg.proxy.min_sync_period,
+                                              cfg.proxy.sync_period, burst=2, clock=monotonic, sleep=sleep)
         store.subscribe(self._on_change)
         if store.current.is_synced("Service", "EndpointSlice"):
             self._pending |= set(store.current.services)
@@ -451,9 +451,9 @@ class Proxier:
         triggers, self._triggers = self._triggers, {}
         period = FULL_SYNC_PERIOD
         if any(b.full_every == "sync_period" for b in self.backends.values()):
-            period = min(period, self.cfg.sync_period * 0.999)
+            period = min(period, self.cfg.proxy.sync_period * 0.999)
         full = self._need_full or now - self._last_full >= period
-        if not full and self.applying and now - self._last_canary >= self.cfg.sync_period / 2:
+        if not full and self.applying and now - self._last_canary >= self.cfg.proxy.sync_period / 2:
             self._last_canary = now
             for fam, backend in self.backends.items():
                 if not await backend.canary_ok():
@@ -479,7 +479,7 @@ class Proxier:
             for k, v in triggers.items():
                 self._triggers.setdefault(k, []).extend(v)
             self._need_full = True
-            self._runner.retry_after(self.cfg.sync_period)
+            self._runner.retry_after(self.cfg.proxy.sync_period)
             return
         elapsed = time.perf_counter() - start
         SYNC_DURATION.observe(elapsed)
@@ -513,18 +513,18 @@ class Proxier:
         # Conntrack: reconcile the UDP flows in the kernel with what was just programmed
         # after the first sync (changes made while no agent ran), full syncs, and at least
         # every sync period; in between, the flows the changed Services left.
-        reconcile = self.syncs == 1 or full or now - self._last_reconcile >= self.cfg.sync_period
+        reconcile = self.syncs == 1 or full or now - self._last_reconcile >= self.cfg.proxy.sync_period
         if reconcile:
             self._last_reconcile = now
         for fam, cleaner in self.conntrack.items():
             if reconcile:
-                await cleaner.reconcile(state, self.cfg.service_cidrs)
+                await cleaner.reconcile(state, self.cfg.proxy.service_cidrs)
                 continue
             flows = stale_flows(previous, state, fam, keys=changed)
             if flows:
                 await cleaner.clear(flows)
         if self.service_health:
-            await self.service_health.sync(local_endpoint_counts(state, self.cfg.node_name))
+            await self.service_health.sync(local_endpoint_counts(state, self.cfg.proxy.node_name))
         for fn in list(self._listeners):
             try:
                 fn(state.version)
@@ -538,7 +538,7 @@ class Proxier:
         DNAT. Done after our rules are in, so traffic never goes without rules. Failures
         are logged; the rules just applied stand."""
         from . import iptables
-        mode = self.cfg.proxy_mode
+        mode = self.cfg.proxy.proxy_mode
         removed: list[str] = []
         if not self.backends:    # --proxy-mode none: another proxier may own the rules
             return removed
@@ -610,7 +610,7 @@ class Proxier:
                 for ep in sl.endpoints:
                     if ep.ready or (ep.serving and ep.terminating):
                         any_ep = True
-                        local = local or ep.node_name == self.cfg.node_name
+                        local = local or ep.node_name == self.cfg.proxy.node_name
             if any_ep and not local:
                 external = svc.external_local and bool(
                     svc.external_ips or svc.lb_ips or any(p.node_port for p in svc.ports))

@@ -184,22 +184,22 @@ def node_info(state: ClusterState, cfg: Config, family: int) -> NodeInfo:
     accepts NodePorts; a CIDR holding 127.0.0.1 adds loopback), "primary" (the
     first node address of the family) or "all".
     """
-    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
-    ips = tuple(ip for ip in cfg.node_ips if _family_of(ip) == family)
-    if not cfg.node_ips and node is not None:
+    node = state.nodes.get(cfg.proxy.node_name) if cfg.proxy.node_name else None
+    ips = tuple(ip for ip in cfg.proxy.node_ips if _family_of(ip) == family)
+    if not cfg.proxy.node_ips and node is not None:
         ips = tuple(ip for ip in node.addresses if _is_ip(ip) and _family_of(ip) == family)
     local_cidr = ""
-    for cidr in cfg.cluster_cidrs:
+    for cidr in cfg.proxy.cluster_cidrs:
         net = ipaddress.ip_network(cidr, strict=False)
         if net.version == family:
             local_cidr = str(net)
             break
     nodeport_all = True
     np_ips: list[str] = []
-    if cfg.nodeport_addresses and "all" not in cfg.nodeport_addresses:
+    if cfg.proxy.nodeport_addresses and "all" not in cfg.proxy.nodeport_addresses:
         nodeport_all = False
         nets = []
-        for item in cfg.nodeport_addresses:
+        for item in cfg.proxy.nodeport_addresses:
             if item == "primary":
                 if ips and ips[0] not in np_ips:
                     np_ips.append(ips[0])
@@ -212,14 +212,14 @@ def node_info(state: ClusterState, cfg: Config, family: int) -> NodeInfo:
             addr = ipaddress.ip_address(ip)
             if any(addr in n for n in nets) and ip not in np_ips:
                 np_ips.append(ip)
-    return NodeInfo(name=cfg.node_name, zone=node.zone if node is not None else "",
+    return NodeInfo(name=cfg.proxy.node_name, zone=node.zone if node is not None else "",
                     ips=ips, local_cidr=local_cidr, nodeport_all=nodeport_all,
                     nodeport_ips=tuple(np_ips))
 
 
 def localhost_nodeports(cfg: Config, node: NodeInfo, family: int) -> bool:
     """IPv4 NodePorts on 127.0.0.1 (iptables mode): on unless disabled or excluded."""
-    if family != 4 or not cfg.localhost_nodeports:
+    if family != 4 or not cfg.proxy.localhost_nodeports:
         return False
     return node.nodeport_all or "127.0.0.1" in node.nodeport_ips
 
@@ -447,18 +447,18 @@ def service_ports_for(state: ClusterState, key: tuple[str, str], family: int,
 
 def service_ports(state: ClusterState, cfg: Config, family: int = 4) -> list[tuple[ServicePortInfo, Categorized]]:
     """Every service port the proxier programs, sorted by (namespace, name, port name, protocol)."""
-    node = state.nodes.get(cfg.node_name) if cfg.node_name else None
+    node = state.nodes.get(cfg.proxy.node_name) if cfg.proxy.node_name else None
     zone = node.zone if node is not None else ""
     out: list[tuple[ServicePortInfo, Categorized]] = []
-    old = _ports_cache(family, cfg.node_name, zone)
+    old = _ports_cache(family, cfg.proxy.node_name, zone)
     # a new generation holding only this state's Services keeps the cache bounded
     cache: dict[tuple[str, str], tuple] = {}
     with gc_paused():
         for key in sorted(state.services):
-            out += _cached_ports(old, state, key, family, cfg.node_name, zone)
+            out += _cached_ports(old, state, key, family, cfg.proxy.node_name, zone)
             if key in old:
                 cache[key] = old[key]
-    _PORTS_CACHE[(family, cfg.node_name, zone)] = cache
+    _PORTS_CACHE[(family, cfg.proxy.node_name, zone)] = cache
     out.sort(key=_PORT_ORDER)
     return out
 

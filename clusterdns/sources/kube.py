@@ -51,11 +51,11 @@ IN_CLUSTER = "in-cluster"
 def resources_for(cfg: Config) -> list[Resource]:
     """What this configuration needs watched."""
     out = [SERVICES, ENDPOINTSLICES, NAMESPACES]
-    if cfg.pods == "verified" or cfg.autopath:
+    if cfg.dns.pods == "verified" or cfg.dns.autopath:
         out.append(PODS)
-    if cfg.node_name:
+    if cfg.proxy.node_name:
         out.append(Resource(NODES.name, NODES.kind, NODES.path,
-                            field_selector=f"metadata.name={cfg.node_name}"))
+                            field_selector=f"metadata.name={cfg.proxy.node_name}"))
     return out
 
 
@@ -148,7 +148,7 @@ class KubeSource:
         self.synced = asyncio.Event()
         self.reflectors: dict[str, Reflector] = {}
         self.health: ApiHealth | None = None
-        self._conf, self._loader = _run_sync(_load_configuration(cfg.kubeconfig))
+        self._conf, self._loader = _run_sync(_load_configuration(cfg.source.kubeconfig))
         self._started = False
 
     @property
@@ -208,7 +208,7 @@ def list_once(cfg: Config, store: StateStore, **options: Any) -> None:
     opts = Options(**options)
 
     async def main() -> None:
-        conf, _ = await _load_configuration(cfg.kubeconfig)
+        conf, _ = await _load_configuration(cfg.source.kubeconfig)
         transport = _transport(conf)
         results = {}
         try:

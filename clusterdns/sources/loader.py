@@ -7,17 +7,17 @@ from .manifest import DEMO_MANIFEST, ManifestSource, limits_from, load_files, pu
 
 
 def manifest_paths(cfg: Config) -> list[str]:
-    return list(cfg.manifest) if cfg.manifest else [DEMO_MANIFEST]
+    return list(cfg.source.manifest) if cfg.source.manifest else [DEMO_MANIFEST]
 
 
 def load_once(cfg: Config) -> ClusterState:
     """The state as it is now, for one-shot commands (rules, trace)."""
     store = StateStore()
-    if cfg.kubeconfig:
+    if cfg.source.kubeconfig:
         from .kube import list_once  # imported lazily: the client is slow to import
         list_once(cfg, store)
         return store.current
-    records, skipped = load_files(manifest_paths(cfg), limits_from(cfg))   # in this process: fastest
+    records, skipped = load_files(manifest_paths(cfg), limits_from(cfg.source))   # in this process: fastest
     report_skipped(skipped)
     publish(store, records)
     return store.current
@@ -31,10 +31,10 @@ def make_source(cfg: Config, store: StateStore, strict: bool = True):
     Not strict (a reload): nothing is read here; the source keeps polling, and
     the store keeps the last good state until every file has loaded.
     """
-    if cfg.kubeconfig:
+    if cfg.source.kubeconfig:
         from .kube import KubeSource
         return KubeSource(cfg, store)
-    source = ManifestSource(store, manifest_paths(cfg), limits=limits_from(cfg))
+    source = ManifestSource(store, manifest_paths(cfg), limits=limits_from(cfg.source))
     if strict:
         source.load(strict=True)  # raises ManifestError
     return source

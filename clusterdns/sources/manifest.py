@@ -72,10 +72,10 @@ SHRINK_MIN_OBJECTS = 20
 WORKER_MIN_BYTES = 256 * 1024
 
 
-def limits_from(cfg: Any) -> Limits:
-    return Limits(max_bytes=getattr(cfg, "manifest_max_bytes", DEFAULT_LIMITS.max_bytes),
-                  max_objects=getattr(cfg, "manifest_max_objects", DEFAULT_LIMITS.max_objects),
-                  allow_shrink=getattr(cfg, "manifest_allow_shrink", False))
+def limits_from(source: Any) -> Limits:
+    """The limits of a config.SourceConfig (--manifest-max-bytes, ...)."""
+    return Limits(max_bytes=source.manifest_max_bytes, max_objects=source.manifest_max_objects,
+                  allow_shrink=source.manifest_allow_shrink)
 
 
 @dataclass(frozen=True)

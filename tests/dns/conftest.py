@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import replace
 
 import dns.message
 import pytest
@@ -35,7 +34,7 @@ def demo_state(demo_records) -> ClusterState:
 
 
 def make_engine(state: ClusterState | None, forwarder=None, server_addresses=lambda: [], **options) -> Engine:
-    engine = Engine(replace(Config(), **options), forwarder, server_addresses)
+    engine = Engine(Config().with_options(**options), forwarder, server_addresses)
     if state is not None:
         engine.update(state)
     return engine
@@ -93,7 +92,7 @@ class LiveServer:
         from clusterdns.dns.server import DnsService
         forwarder = options.pop("forwarder", None)
         options.setdefault("no_upstream", forwarder is None)
-        self.cfg = replace(Config(), listen=("127.0.0.1:0",), **options)
+        self.cfg = Config().with_options(listen=("127.0.0.1:0",), **options)
         self.store = StateStore(clock=lambda: SERIAL - 1)
         publish(self.store, records)
         self.loop = asyncio.new_event_loop()

@@ -371,12 +371,11 @@ def test_upstreams_from_flags_and_resolv_conf(tmp_path):
 # --- the engine's fast path for answers the cache holds ---------------------------------------
 
 def engine_with(fwd: Forward):
-    from dataclasses import replace
 
     from clusterdns.config import Config
     from clusterdns.dns.engine import Engine
     from clusterdns.state import ClusterState
-    engine = Engine(replace(Config()), fwd)
+    engine = Engine(Config(), fwd)
     engine.update(ClusterState())
     return engine
 

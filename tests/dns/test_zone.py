@@ -88,7 +88,7 @@ def test_a_different_config_compiles_afresh():
     store = StateStore()
     publish(store, synthetic_records(5, 2))
     v1 = ZoneView(Config(), store.current)
-    v2 = ZoneView(replace(Config(), endpoint_pod_names=True), store.current, v1)
+    v2 = ZoneView(Config().with_options(endpoint_pod_names=True), store.current, v1)
     names1 = {n for sd in v1.services.values() for n, _, _ in sd.ready}
     names2 = {n for sd in v2.services.values() for n, _, _ in sd.ready}
     assert all(n.startswith("10-") for n in names1)
@@ -105,10 +105,10 @@ def test_exposure():
     ])
     view = ZoneView(Config(), store.current)
     assert view.exposed("a") and view.exposed("b") and view.exposed("c") and not view.exposed("d")
-    view = ZoneView(replace(Config(), namespaces=("a",)), store.current)
+    view = ZoneView(Config().with_options(namespaces=("a",)), store.current)
     assert view.exposed("a") and not view.exposed("b") and not view.exposed("c")
     from clusterdns.dns.names import parse_selector
-    view = ZoneView(replace(Config(), namespace_labels="team=x"), store.current, selector=parse_selector("team=x"))
+    view = ZoneView(Config().with_options(namespace_labels="team=x"), store.current, selector=parse_selector("team=x"))
     assert view.exposed("a") and not view.exposed("b") and not view.exposed("c")
     assert view.reverse("10.0.0.1") and not view.reverse("10.0.0.3")
 

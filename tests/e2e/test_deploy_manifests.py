@@ -77,17 +77,17 @@ def test_config_file_is_accepted_by_the_agent(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(cm["data"]["config.yaml"])
     cfg = load(["agent", "--config", str(path), "--kubeconfig", "/nonexistent"], env={})
-    assert cfg.local_ips == ("10.96.0.10", "169.254.20.10")
-    assert cfg.proxy_mode == "iptables"
+    assert cfg.dns.local_ips == ("10.96.0.10", "169.254.20.10")
+    assert cfg.proxy.proxy_mode == "iptables"
     ds = _by_kind()["DaemonSet"]
     grace = ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > max(cfg.lameduck, cfg.lameduck_handover)
+    assert grace > max(cfg.agent.lameduck, cfg.agent.lameduck_handover)
     # Old and new pods overlap during a rollout (the hand-over needs both running).
     rolling = ds["spec"]["updateStrategy"]["rollingUpdate"]
     assert rolling["maxSurge"] == 1 and rolling["maxUnavailable"] == 0
     # The probes point at the port the config serves health on.
     probe_port = ds["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"]
-    assert cfg.health_listen.endswith(f":{probe_port}")
+    assert cfg.agent.health_listen.endswith(f":{probe_port}")
 
 
 def test_kind_cluster_replaces_kube_proxy():

@@ -93,7 +93,7 @@ def kube_proxy_state():
     ])
 
 
-KUBE_PROXY_CFG = Config(command="rules", node_name="test-node", node_ips=("192.168.0.2",),
+KUBE_PROXY_CFG = Config.from_options(command="rules", node_name="test-node", node_ips=("192.168.0.2",),
                         cluster_cidrs=("10.0.0.0/8",))
 
 # kube-proxy's expected output for that cluster (pkg/proxy/iptables), with two
@@ -294,7 +294,7 @@ def one_service(*, service_kw=None, endpoints=None, port=P80, slices=None):
     return state_from_records(records)
 
 
-CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+CFG = Config.from_options(command="rules", node_name="node-a", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
 
 
 def nat(text, chain):
@@ -311,34 +311,34 @@ EXT = "KUBE-EXT-XPGD46QRK7WJZT7O"
 
 
 def test_masquerade_all_and_no_detector():
-    text = iptables.render(one_service(), replace(CFG, masquerade_all=True), 4).text
+    text = iptables.render(one_service(), CFG.with_options(masquerade_all=True), 4).text
     assert nat(text, SVC)[0] == ('-A KUBE-SVC-XPGD46QRK7WJZT7O -m comment --comment "ns1/svc1:p80 cluster IP" '
                                  "-m tcp -p tcp -d 172.30.0.41 --dport 80 -j KUBE-MARK-MASQ")
-    text = iptables.render(one_service(), replace(CFG, cluster_cidrs=()), 4).text
+    text = iptables.render(one_service(), CFG.with_options(cluster_cidrs=()), 4).text
     assert not any("KUBE-MARK-MASQ" in r for r in nat(text, SVC))
 
 
 def test_masquerade_bit():
-    text = iptables.render(one_service(), replace(CFG, masquerade_bit=5), 4).text
+    text = iptables.render(one_service(), CFG.with_options(masquerade_bit=5), 4).text
     assert "-A KUBE-MARK-MASQ -j MARK --or-mark 0x20" in text
     assert "-m mark ! --mark 0x20/0x20 -j RETURN" in text
 
 
 def test_nodeport_addresses_and_localhost():
     st = one_service(service_kw={"type": NODE_PORT}, port=replace(P80, node_port=30001))
-    cfg = replace(CFG, node_ips=("192.168.0.2", "10.1.1.1"), nodeport_addresses=("192.168.0.0/24", "127.0.0.0/8"))
+    cfg = CFG.with_options(node_ips=("192.168.0.2", "10.1.1.1"), nodeport_addresses=("192.168.0.0/24", "127.0.0.0/8"))
     text = iptables.render(st, cfg, 4).text
     last = [r for r in nat(text, "KUBE-SERVICES") if "nodeports" in r]
     assert [r.split(" -d ")[1] for r in last] == ["192.168.0.2 -j KUBE-NODEPORTS", "127.0.0.1 -j KUBE-NODEPORTS"]
     assert "KUBE-FIREWALL" in text
-    text = iptables.render(st, replace(cfg, localhost_nodeports=False), 4).text
+    text = iptables.render(st, cfg.with_options(localhost_nodeports=False), 4).text
     last = [r for r in nat(text, "KUBE-SERVICES") if "nodeports" in r]
     assert len(last) == 1 and "-d 192.168.0.2 " in last[0]
     assert "KUBE-FIREWALL" not in text
-    text = iptables.render(st, replace(CFG, localhost_nodeports=False), 4).text
+    text = iptables.render(st, CFG.with_options(localhost_nodeports=False), 4).text
     assert "-m addrtype --dst-type LOCAL ! -d 127.0.0.0/8 -j KUBE-NODEPORTS" in text
     # nodeport addresses that exclude loopback also turn localhost NodePorts off
-    text = iptables.render(st, replace(CFG, nodeport_addresses=("192.168.0.0/24",)), 4).text
+    text = iptables.render(st, CFG.with_options(nodeport_addresses=("192.168.0.0/24",)), 4).text
     assert "KUBE-FIREWALL" not in text
 
 
@@ -418,7 +418,7 @@ def test_topology_hints():
     assert len([r for r in nat(iptables.render(st, CFG, 4).text, SVC) if "MARK-MASQ" not in r]) == 4
     # unknown node zone: no topology
     lb = [r for r in nat(iptables.render(one_service(service_kw={"topology_aware": True}, endpoints=endpoints),
-                                         replace(CFG, node_name="other"), 4).text, SVC) if "MARK-MASQ" not in r]
+                                         CFG.with_options(node_name="other"), 4).text, SVC) if "MARK-MASQ" not in r]
     assert len(lb) == 3
 
 
@@ -508,7 +508,7 @@ def test_jump_rules_match_full_text():
 
 # ---------------------------------------------------------------- the real tools
 
-V6_CFG = Config(command="rules", node_name="node-a", node_ips=("fd00:1::2",), cluster_cidrs=("fd00:10::/64",))
+V6_CFG = Config.from_options(command="rules", node_name="node-a", node_ips=("fd00:1::2",), cluster_cidrs=("fd00:10::/64",))
 
 
 def v6_feature_state():
@@ -530,7 +530,7 @@ def test_v6_features():
     assert "-m recent --name KUBE-SEP-" in text
     assert "-s 2001:db8::8 -j KUBE-EXT-" in text        # node inside a source range: the LB IP may come back
     assert '"ns2/none:p80 has no endpoints" -m tcp -p tcp -d fd00:30::42 --dport 80 -j REJECT' in text
-    text = iptables.render(v6_feature_state(), replace(V6_CFG, nodeport_addresses=("fd00:1::/64", "::1/128")), 6).text
+    text = iptables.render(v6_feature_state(), V6_CFG.with_options(nodeport_addresses=("fd00:1::/64", "::1/128")), 6).text
     # loopback never takes NodePorts on IPv6
     assert [r for r in nat(text, "KUBE-SERVICES") if "nodeports" in r][0].endswith("-d fd00:1::2 -j KUBE-NODEPORTS")
     assert "::1 -j KUBE-NODEPORTS" not in text
@@ -542,12 +542,12 @@ def test_texts_accepted_by_iptables_restore(netns):
         (iptables.render(demo_state(), DEMO_CFG, 4).text, 4),
         (iptables.render(demo_state(), DEMO_CFG, 6).text, 6),
         (iptables.render(kube_proxy_state(), KUBE_PROXY_CFG, 4).text, 4),
-        (iptables.render(demo_state(), replace(DEMO_CFG, masquerade_all=True, cluster_cidrs=(),
+        (iptables.render(demo_state(), DEMO_CFG.with_options(masquerade_all=True, cluster_cidrs=(),
                                                nodeport_addresses=("192.168.49.0/24",)), 4).text, 4),
         (iptables.render(one_service(service_kw={"affinity_timeout": 30, "internal_local": True}), CFG, 4).text, 4),
         (iptables.render(state_from_records(synthetic_records(101, 10)), CFG, 4).text, 4),
         (iptables.render(v6_feature_state(), V6_CFG, 6).text, 6),
-        (iptables.render(v6_feature_state(), replace(V6_CFG, nodeport_addresses=("fd00:1::/64", "::1/128")), 6).text, 6),
+        (iptables.render(v6_feature_state(), V6_CFG.with_options(nodeport_addresses=("fd00:1::/64", "::1/128")), 6).text, 6),
     ]
     for text, family in cases:
         # --test still needs the tables to exist: apply an empty table first
@@ -639,7 +639,7 @@ def test_rules_command_prints_iptables_text(capsys):
                "--node-ip", "192.168.49.2", "--cluster-cidr", "10.161.0.0/16"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert_rules_equal(iptables.render(demo_state(), replace(DEMO_CFG, cluster_cidrs=("10.161.0.0/16",),
+    assert_rules_equal(iptables.render(demo_state(), DEMO_CFG.with_options(cluster_cidrs=("10.161.0.0/16",),
                                                              service_cidrs=()), 4).text, out)
     rc = main(["rules", "--mode", "iptables", "--manifest", DEMO_MANIFEST, "--ip-family", "ipv6"])
     out = capsys.readouterr().out

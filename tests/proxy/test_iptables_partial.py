@@ -25,7 +25,7 @@ from clusterdns.proxy.proxier import IptablesBackend
 from clusterdns.state import state_from_records
 from tests.nslib import requires, sh
 
-CFG = Config(node_name="node-a", node_ips=("192.168.49.2",), cluster_cidrs=("10.161.0.0/16",))
+CFG = Config.from_options(node_name="node-a", node_ips=("192.168.49.2",), cluster_cidrs=("10.161.0.0/16",))
 # Top-level chains hold one rule per service port in no particular order (kube-proxy's
 # order is its map's): compared as sets. Every other chain's order matters.
 UNORDERED = {("nat", "KUBE-SERVICES"), ("nat", "KUBE-NODEPORTS"), ("filter", "KUBE-SERVICES"),

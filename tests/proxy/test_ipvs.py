@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from dataclasses import replace
 
 import pytest
 
@@ -15,7 +14,7 @@ from clusterdns.state import state_from_records
 from tests.demo import demo_state
 from tests.nslib import requires
 
-CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2",), cluster_cidrs=("10.161.0.0/16",))
+CFG = Config.from_options(command="rules", node_name="node-a", node_ips=("192.168.49.2",), cluster_cidrs=("10.161.0.0/16",))
 
 
 def vs_by_key(conf):
@@ -72,9 +71,9 @@ def test_iptables_rules():
     assert "LOCAL-TCP" in np[0] and np[1].endswith("-j KUBE-MARK-MASQ")
     assert lines.index("-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT") > \
         lines.index("-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT")
-    no_detector = ipvs.render(demo_state(), replace(CFG, cluster_cidrs=()), 4).iptables
+    no_detector = ipvs.render(demo_state(), CFG.with_options(cluster_cidrs=()), 4).iptables
     assert "-m set --match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ" in no_detector
-    masq_all = ipvs.render(demo_state(), replace(CFG, masquerade_all=True), 4).iptables
+    masq_all = ipvs.render(demo_state(), CFG.with_options(masquerade_all=True), 4).iptables
     assert "-m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ" in masq_all
 
 
@@ -96,7 +95,7 @@ def test_local_policies_and_scheduler():
                                                     Endpoint(("10.0.0.2",), node_name="node-b")),
                        (EndpointPort("p80", "UDP", 8080),))
     st = state_from_records([("Service", svc), ("EndpointSlice", sl)])
-    conf = ipvs.render(st, replace(CFG, node_ips=("192.168.0.2",)), 4, scheduler="lc")
+    conf = ipvs.render(st, CFG.with_options(node_ips=("192.168.0.2",)), 4, scheduler="lc")
     servers = vs_by_key(conf)
     assert {k: [r.ip for r in v.reals] for k, v in servers.items()} == {
         "-u 172.30.0.41:80": ["10.0.0.1"], "-u 5.6.7.8:80": ["10.0.0.1"], "-u 192.168.0.2:3001": ["10.0.0.1"]}

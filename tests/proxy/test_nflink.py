@@ -40,7 +40,7 @@ from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
 from tests.nslib import requires
 
-CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
+CFG = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
              cluster_cidrs=("10.0.0.0/8",), service_cidrs=("10.96.0.0/12",))
 T = "ip kube-proxy"
 
@@ -433,7 +433,7 @@ def test_dnat_added_over_netlink_rewrites_packets(pair):
     assert out.stdout.strip() == "hello from the endpoint"
 
 
-CFG6 = Config(command="rules", node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
+CFG6 = Config.from_options(command="rules", node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
               cluster_cidrs=("10.161.0.0/16", "fd00:161::/64"), service_cidrs=("172.20.0.0/16", "fd00:20::/108"))
 
 
@@ -588,9 +588,9 @@ FULL_CASES = {
     "demo-v6": (lambda: _demo(), CFG6, 6),
     "every-feature": (_every_feature, CFG, 4),
     "two-service-cidrs-nodeports-everywhere": (
-        _every_feature, replace(CFG, service_cidrs=("10.96.0.0/12", "10.200.0.0/16"), nodeport_addresses=("all",)), 4),
-    "masquerade-all-no-detector": (_every_feature, replace(CFG, masquerade_all=True, cluster_cidrs=()), 4),
-    "v6-two-cidrs": (lambda: _demo(), replace(CFG6, service_cidrs=("fd00:20::/108", "fd00:30::/108")), 6),
+        _every_feature, CFG.with_options(service_cidrs=("10.96.0.0/12", "10.200.0.0/16"), nodeport_addresses=("all",)), 4),
+    "masquerade-all-no-detector": (_every_feature, CFG.with_options(masquerade_all=True, cluster_cidrs=()), 4),
+    "v6-two-cidrs": (lambda: _demo(), CFG6.with_options(service_cidrs=("fd00:20::/108", "fd00:30::/108")), 6),
 }
 
 

@@ -62,7 +62,7 @@ def kube_proxy_state():
     ])
 
 
-KUBE_PROXY_CFG = Config(command="rules", node_name="test-node", node_ips=("192.168.0.2",),
+KUBE_PROXY_CFG = Config.from_options(command="rules", node_name="test-node", node_ips=("192.168.0.2",),
                         cluster_cidrs=("10.0.0.0/8",), nodeport_addresses=("all",))
 
 # The per-service objects for kube-proxy's cluster in clusterdns's layout (docs/proxy.md): kube-proxy's
@@ -230,17 +230,17 @@ def test_demo_v6():
 
 
 def test_masquerade_all_and_no_detector():
-    cfg = replace(KUBE_PROXY_CFG, masquerade_all=True)
+    cfg = KUBE_PROXY_CFG.with_options(masquerade_all=True)
     text = nftables.render(kube_proxy_state(), cfg, 4).text
     assert ("add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 ip daddr 172.30.0.41 tcp dport 80 "
             "jump mark-for-masquerade") in text
-    text = nftables.render(kube_proxy_state(), replace(KUBE_PROXY_CFG, cluster_cidrs=()), 4).text
+    text = nftables.render(kube_proxy_state(), KUBE_PROXY_CFG.with_options(cluster_cidrs=()), 4).text
     assert "short-circuit pod traffic" not in text and "saddr !=" not in text.split("firewall-")[0]
 
 
 def test_incremental_only_touches_changes():
     st = state_from_records(synthetic_records(200, 5))
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
     full = nftables.render(st, cfg, 4)
     same = nftables.render(st, cfg, 4, previous=full.state)
     assert same.text == "" and same.changes == 0 and not same.full
@@ -315,9 +315,9 @@ def test_texts_accepted_by_nft(netns):
     for text in (nftables.render(demo_state(), DEMO_CFG, 4).text,
                  nftables.render(demo_state(), DEMO_CFG, 6).text,
                  nftables.render(kube_proxy_state(), KUBE_PROXY_CFG, 4).text,
-                 nftables.render(demo_state(), replace(DEMO_CFG, masquerade_all=True, cluster_cidrs=(),
+                 nftables.render(demo_state(), DEMO_CFG.with_options(masquerade_all=True, cluster_cidrs=(),
                                                        nodeport_addresses=("all",)), 4).text,
-                 nftables.render(_v6_state(), replace(DEMO_CFG, node_ips=("fd00:1::2",)), 6).text):
+                 nftables.render(_v6_state(), DEMO_CFG.with_options(node_ips=("fd00:1::2",)), 6).text):
         r = nft(netns, text, check=True)
         assert r.returncode == 0, r.stderr[:2000]
 
@@ -337,7 +337,7 @@ def _v6_state():
 
 
 def test_v6_features():
-    text = nftables.render(_v6_state(), replace(DEMO_CFG, node_ips=("fd00:1::2",)), 6).text
+    text = nftables.render(_v6_state(), DEMO_CFG.with_options(node_ips=("fd00:1::2",)), 6).text
     assert "ip6 saddr != { 2001:db8:1::/48, fd00:1::/64, 2001:db8::8 } drop" in text
     assert "{ type ipv6_addr ; flags dynamic,timeout ; timeout 600s ; }" in text
     assert "update @affinity-" in text and "{ ip6 saddr }" in text
@@ -384,7 +384,7 @@ def _mutations():
 
 @needs_netns
 def test_incremental_equals_full_in_the_kernel(netns):
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
                  service_cidrs=("10.96.0.0/12",))
     previous, previous_st = None, None
     for i, records in enumerate(_mutations()):
@@ -424,7 +424,7 @@ def _assert_same_state(a, b):
 
 
 def test_targeted_incremental_matches_full_diff():
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
     states = [state_from_records(r) for r in _mutations()]
     for old, new in zip(states, states[1:]):
         prev = nftables.render(old, cfg, 4).state
@@ -439,7 +439,7 @@ def test_incremental_v6_and_config_change(netns):
     st = demo_state()
     full = nftables.render(st, DEMO_CFG, 6)
     assert nft(netns, full.text).returncode == 0
-    cfg2 = replace(DEMO_CFG, service_cidrs=("fd00:20::/112",), nodeport_addresses=("all",))
+    cfg2 = DEMO_CFG.with_options(service_cidrs=("fd00:20::/112",), nodeport_addresses=("all",))
     inc = nftables.render(st, cfg2, 6, previous=full.state)
     r = nft(netns, inc.text)
     assert r.returncode == 0, r.stderr
@@ -452,7 +452,7 @@ def test_incremental_v6_and_config_change(netns):
 
 def test_sizes_and_speed_10k():
     st = state_from_records(synthetic_records(10000, 10))
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
     full = nftables.render(st, cfg, 4)
     records = synthetic_records(10000, 10)
     records = [(k, replace(r, endpoints=r.endpoints[1:])) if k == "EndpointSlice" and r.service == "svc-77" else (k, r)
@@ -472,13 +472,13 @@ def test_rules_command_prints_nft_script(capsys):
                "--node-ip", "192.168.49.2", "--cluster-cidr", "10.161.0.0/16", "--service-cidr", "172.20.0.0/16"])
     out = capsys.readouterr().out
     assert rc == 0
-    cfg = replace(DEMO_CFG, cluster_cidrs=("10.161.0.0/16",), service_cidrs=("172.20.0.0/16",))
+    cfg = DEMO_CFG.with_options(cluster_cidrs=("10.161.0.0/16",), service_cidrs=("172.20.0.0/16",))
     assert out == nftables.render(demo_state(), cfg, 4).text
 
 
 @needs_netns
 def test_resync_repairs_drift_and_keeps_affinity(netns):
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
                  service_cidrs=("10.96.0.0/12",))
     states = [state_from_records(r) for r in _mutations()]
     first = nftables.render(states[3], cfg, 4)          # svc-5 and svc-6 have ClientIP affinity
@@ -542,12 +542,12 @@ def _expected_programmed(st, cfg, family):
 def test_programmed_reads_back_the_kernel(netns):
     from clusterdns.proxy import nflink
     assert nftables.programmed(4, netns=netns) == {}      # nothing there yet
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
                  service_cidrs=("10.96.0.0/12",))
     try:
         # every feature: affinity (per-endpoint chains), eTP/iTP Local, LB, no endpoints, terminating, IPv6
         for st, c, fam in ((kube_proxy_state(), KUBE_PROXY_CFG, 4), (demo_state(), DEMO_CFG, 4),
-                           (demo_state(), DEMO_CFG, 6), (_v6_state(), replace(DEMO_CFG, node_ips=("fd00:1::2",)), 6)):
+                           (demo_state(), DEMO_CFG, 6), (_v6_state(), DEMO_CFG.with_options(node_ips=("fd00:1::2",)), 6)):
             assert nft(netns, nftables.render(st, c, fam).text).returncode == 0
             got = nftables.programmed(fam, netns=netns)
             assert got == _expected_programmed(st, c, fam)
@@ -647,7 +647,7 @@ def test_random_changes_over_netlink_equal_a_fresh_full_load(namespaces):
     from clusterdns.proxy import nflink
     rnd = random.Random(20261201)
     live, fresh = namespaces.add("live"), namespaces.add("fresh")
-    cfg = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",),
                  service_cidrs=("10.96.0.0/12",))
     records = synthetic_records(30, 4, nodeport_every=3, node_name="node-0")
     st = state_from_records(records)

@@ -21,7 +21,7 @@ from clusterdns.proxy.proxier import IptablesBackend, IpvsBackend
 from clusterdns.state import state_from_records
 from tests.nslib import requires
 
-CFG = Config(node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
+CFG = Config.from_options(node_name="node-a", node_ips=("192.168.49.2", "fd00:49::2"),
              cluster_cidrs=("10.161.0.0/16", "fd00:161::/32"))
 
 

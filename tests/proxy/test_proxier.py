@@ -257,7 +257,7 @@ async def test_service_health_servers_follow_local_endpoints():
     cfg = cfg_of()
     store = StateStore()
     publish(store, demo_records())
-    counts = local_endpoint_counts(store.current, cfg.node_name)
+    counts = local_endpoint_counts(store.current, cfg.proxy.node_name)
     assert counts == {("testapp", "testapp-lb"): (32000, 1)}
     port = free_port()
     servers = ServiceHealthServers("127.0.0.1")

@@ -18,7 +18,7 @@ from clusterdns.state import StateStore, state_from_records
 from clusterdns.synthetic import synthetic_records
 from tests.demo import DEMO_CFG, demo_state
 
-CFG = Config(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+CFG = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
 def synthetic_state():
     """Fresh objects on every call: ClusterIP and NodePort Services, headless ones, local endpoints."""
     return state_from_records(synthetic_records(60, 4, headless_every=7, nodeport_every=3))
@@ -102,8 +102,8 @@ def test_changed_service_and_context_are_rendered_again():
         render(before, CFG)
         assert render(after, CFG) == cold(lambda: render(after, CFG))
         # everything besides the Service that its rules depend on: masquerade-all, cluster CIDR, node
-        for cfg in (replace(CFG, masquerade_all=True), replace(CFG, cluster_cidrs=("10.1.0.0/16",)),
-                    replace(CFG, node_name="node-1", node_ips=("192.168.0.3",)), CFG):
+        for cfg in (CFG.with_options(masquerade_all=True), CFG.with_options(cluster_cidrs=("10.1.0.0/16",)),
+                    CFG.with_options(node_name="node-1", node_ips=("192.168.0.3",)), CFG):
             warm = render(after, cfg)
             assert warm == cold(lambda: render(after, cfg))
 

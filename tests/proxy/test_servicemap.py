@@ -8,7 +8,7 @@ from clusterdns.proxy.servicemap import node_info, service_ports
 from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import state_from_records
 
-CFG = Config(command="rules", node_name="node-a", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
+CFG = Config.from_options(command="rules", node_name="node-a", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
 
 
 def test_iptables_hashes_match_kube_proxy():
@@ -98,7 +98,7 @@ def test_local_policy_lists():
     assert [e.ip for e in cat.local] == ["10.0.0.1"]          # local serving-terminating fallback
     assert [e.ip for e in cat.reachable] == ["10.0.0.1", "10.0.0.2"]
     # without a node name nothing is local
-    [(_, cat)] = service_ports(st, Config(command="rules"), 4)
+    [(_, cat)] = service_ports(st, Config.from_options(command="rules"), 4)
     assert cat.local == ()
 
 
@@ -111,9 +111,9 @@ def test_external_local_needs_external_access():
 
 def test_node_info():
     st = _state(Endpoint(("10.0.0.1",)))
-    node = node_info(st, Config(command="rules", node_name="node-a"), 4)
+    node = node_info(st, Config.from_options(command="rules", node_name="node-a"), 4)
     assert node.ips == ("192.168.0.2",) and node.zone == "zone-a" and node.local_cidr == ""
-    node = node_info(st, Config(command="rules", node_name="node-a", node_ips=("10.1.0.5", "192.168.0.2"),
+    node = node_info(st, Config.from_options(command="rules", node_name="node-a", node_ips=("10.1.0.5", "192.168.0.2"),
                                 nodeport_addresses=("primary", "192.168.0.0/16"), cluster_cidrs=("fd00::/64",
                                                                                                    "10.0.0.0/8")), 4)
     assert node.nodeport_ips == ("10.1.0.5", "192.168.0.2") and not node.nodeport_all
@@ -123,7 +123,7 @@ def test_node_info():
 def test_demo_cluster():
     records, _ = load_files([DEMO_MANIFEST])
     st = state_from_records(records)
-    cfg = Config(command="rules", node_name="node-a")
+    cfg = Config.from_options(command="rules", node_name="node-a")
     v4 = {i.name: (i, c) for i, c in service_ports(st, cfg, 4)}
     v6 = {i.name: (i, c) for i, c in service_ports(st, cfg, 6)}
     assert "testapp/testapp-headless:http" not in v4 and "testapp/external-db:pg" not in v4

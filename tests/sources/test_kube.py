@@ -438,7 +438,7 @@ def test_in_cluster_config(tmp_path, monkeypatch):
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "192.168.49.2")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
     cfg = load(["agent"], env={"KUBERNETES_SERVICE_HOST": "192.168.49.2"})
-    assert cfg.kubeconfig == kube.IN_CLUSTER
+    assert cfg.source.kubeconfig == kube.IN_CLUSTER
     src = KubeSource(cfg, StateStore())
     assert src.host == "https://192.168.49.2:6443"
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
