@@ -2,6 +2,7 @@
 """DNS benchmark of the setup a user gets, next to unbound in the same run.
 
     python3 bench/dns/user.py [--rounds 3] [--venv DIR] [--workers N] [--no-start]
+    python3 bench/dns/user.py --start-only [--starts 5] [--venv DIR]   # step 4 alone (~1 min)
 
 1. `pip install .` of this tree into a fresh venv (no extras: only what the
    package requires), unless --venv names one to reuse.
@@ -14,7 +15,8 @@
    NXDOMAIN) and on the search-path mix (the ndots:5 walk of a pod). Prints
    medians of queries per server CPU-second, the ratio to unbound, and loss.
 4. Start and memory at 10,000 Services / 100,000 endpoints: seconds from
-   exec to the first answer, and RSS once answering and after a pass of queries.
+   exec to the first answer, and RSS once answering and after one pass of every
+   distinct query of both mixes; medians of --starts runs.
 """
 from __future__ import annotations
 
@@ -110,6 +112,8 @@ def main() -> int:
     ap.add_argument("--venv", type=Path, help="reuse this venv (made by an earlier run) instead of a fresh one")
     ap.add_argument("--workers", type=int, default=1, help="clusterdns --workers N")
     ap.add_argument("--no-start", action="store_true", help="skip the 10,000-Service start/RSS measurement")
+    ap.add_argument("--start-only", action="store_true", help="only the 10,000-Service start/RSS measurement")
+    ap.add_argument("--starts", type=int, default=3, help="starts at 10,000 Services (medians)")
     args = ap.parse_args()
     for tool in ("dnsperf", "unbound"):
         if shutil.which(tool) is None:
@@ -130,75 +134,11 @@ def main() -> int:
                                   capture_output=True, text=True)
             print(f"venv {exe.parent.parent}: uvloop {mods.stdout.strip() or 'MISSING'}")
 
-            records, svcs, slices = build_state(args.services, 10)
-            manifest = tmp / "state.json"
-            manifest.write_text(to_manifest(records))
-            files = query_files(tmp, svcs, slices)
-            mixes = {"mix": files["mix"], "search": files["search"]}
-            every = distinct(list(mixes.values()), tmp / "distinct.txt")
-            probe = f"{svcs[1].name}.{svcs[1].namespace}.svc.cluster.local."
-
-            uport = free_port()
-            conf = tmp / "unbound.conf"
-            unbound_conf(conf, uport, svcs, slices)
-            u = subprocess.Popen(["unbound", "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-            procs.append(u)
-            port = free_port()
-            p = start_server(exe, manifest, port, args.workers)
-            procs.append(p)
-            wait_answering(uport, u, probe)
-            wait_answering(port, p, probe)
-            servers = {"clusterdns": (port, p), "unbound": (uport, u)}
-            for name, (prt, proc) in servers.items():
-                dnsperf(prt, every, proc.pid, passes=1)
-            results: dict[tuple[str, str], list[dict]] = {}
-            for _ in range(args.rounds):
-                for mix, f in mixes.items():
-                    for name, (prt, proc) in servers.items():
-                        results.setdefault((name, mix), []).append(dnsperf(prt, f, proc.pid, args.seconds))
-            print(f"\n{args.services} services, `dnsperf -c 8 -t 2 -l {args.seconds:g}`, median of {args.rounds} rounds"
-                  f" (clusterdns --workers {args.workers}):")
-            print(f"{'server':<11} {'mix':<7} {'qps':>9} {'q/CPU-s':>9} {'loss %':>7} {'ratio':>6}   per-round q/CPU-s")
-            for mix in mixes:
-                base = statistics.median(r["per_cpu"] for r in results[("unbound", mix)])
-                for name in servers:
-                    rs = results[(name, mix)]
-                    per = statistics.median(r["per_cpu"] for r in rs)
-                    ratio = f"{per / base:.2f}" if name != "unbound" and base else ""
-                    print(f"{name:<11} {mix:<7} {statistics.median(r['qps'] for r in rs):>9.0f} {per:>9.0f} "
-                          f"{max(r['loss'] for r in rs):>7.3f} {ratio:>6}   "
-                          + " ".join(f"{r['per_cpu']:.0f}" for r in rs))
-            print("(loss: the worst round)")
-            print(f"clusterdns RSS at {args.services} services: {rss_mib(p.pid):.0f} MiB; "
-                  f"unbound {rss_mib(u.pid):.0f} MiB")
-            for proc in (p, u):
-                proc.terminate()
-                proc.wait(timeout=15)
+            if not args.start_only:
+                throughput(args, exe, tmp, procs)
             if args.no_start:
                 return 0
-
-            records, svcs, slices = build_state(10_000, 10)
-            big = tmp / "big.json"
-            big.write_text(to_manifest(records))
-            files = query_files(tmp, svcs, slices, n=20_000)
-            probe = f"{svcs[1].name}.{svcs[1].namespace}.svc.cluster.local."
-            starts, rss0, rss1 = [], [], []
-            for _ in range(3):
-                secs, rss, proc, prt = first_answer(exe, big, probe, args.workers)
-                procs.append(proc)
-                starts.append(secs)
-                rss0.append(rss)
-                time.sleep(2)          # anything still loading after the first answer
-                dnsperf(prt, files["mix"], proc.pid, passes=1)
-                rss1.append(rss_mib(proc.pid))
-                proc.terminate()
-                proc.wait(timeout=15)
-            print(f"\n10000 services / 100000 endpoints ({big.stat().st_size / 1e6:.0f} MB manifest), 3 starts:")
-            print(f"  first answer after exec: median {statistics.median(starts):.2f} s  "
-                  f"({' '.join(f'{s:.2f}' for s in starts)})")
-            print(f"  RSS at the first answer: median {statistics.median(rss0):.0f} MiB; "
-                  f"2 s later and after one pass of the mix: {statistics.median(rss1):.0f} MiB")
+            start_and_memory(args, exe, tmp, procs)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -208,6 +148,83 @@ def main() -> int:
                     except subprocess.TimeoutExpired:
                         proc.kill()
     return 0
+
+
+def throughput(args, exe: Path, tmp: Path, procs: list[subprocess.Popen]) -> None:
+    """Steps 2 and 3: queries per server CPU-second next to unbound."""
+    records, svcs, slices = build_state(args.services, 10)
+    manifest = tmp / "state.json"
+    manifest.write_text(to_manifest(records))
+    files = query_files(tmp, svcs, slices)
+    mixes = {"mix": files["mix"], "search": files["search"]}
+    every = distinct(list(mixes.values()), tmp / "distinct.txt")
+    probe = f"{svcs[1].name}.{svcs[1].namespace}.svc.cluster.local."
+
+    uport = free_port()
+    conf = tmp / "unbound.conf"
+    unbound_conf(conf, uport, svcs, slices)
+    u = subprocess.Popen(["unbound", "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    procs.append(u)
+    port = free_port()
+    p = start_server(exe, manifest, port, args.workers)
+    procs.append(p)
+    wait_answering(uport, u, probe)
+    wait_answering(port, p, probe)
+    servers = {"clusterdns": (port, p), "unbound": (uport, u)}
+    for name, (prt, proc) in servers.items():
+        dnsperf(prt, every, proc.pid, passes=1)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.rounds):
+        for mix, f in mixes.items():
+            for name, (prt, proc) in servers.items():
+                results.setdefault((name, mix), []).append(dnsperf(prt, f, proc.pid, args.seconds))
+    print(f"\n{args.services} services, `dnsperf -c 8 -t 2 -l {args.seconds:g}`, median of {args.rounds} rounds"
+          f" (clusterdns --workers {args.workers}):")
+    print(f"{'server':<11} {'mix':<7} {'qps':>9} {'q/CPU-s':>9} {'loss %':>7} {'ratio':>6}   per-round q/CPU-s")
+    for mix in mixes:
+        base = statistics.median(r["per_cpu"] for r in results[("unbound", mix)])
+        for name in servers:
+            rs = results[(name, mix)]
+            per = statistics.median(r["per_cpu"] for r in rs)
+            ratio = f"{per / base:.2f}" if name != "unbound" and base else ""
+            print(f"{name:<11} {mix:<7} {statistics.median(r['qps'] for r in rs):>9.0f} {per:>9.0f} "
+                  f"{max(r['loss'] for r in rs):>7.3f} {ratio:>6}   "
+                  + " ".join(f"{r['per_cpu']:.0f}" for r in rs))
+    print("(loss: the worst round)")
+    print(f"clusterdns RSS at {args.services} services: {rss_mib(p.pid):.0f} MiB; "
+          f"unbound {rss_mib(u.pid):.0f} MiB")
+    for proc in (p, u):
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def start_and_memory(args, exe: Path, tmp: Path, procs: list[subprocess.Popen]) -> None:
+    """Step 4: seconds from exec to the first answer and RSS, at 10,000 Services / 100,000 endpoints."""
+    records, svcs, slices = build_state(10_000, 10)
+    big = tmp / "big.json"
+    big.write_text(to_manifest(records))
+    files = query_files(tmp, svcs, slices, n=20_000)
+    every = distinct([files["mix"], files["search"]], tmp / "distinct-big.txt")
+    n_every = sum(1 for _ in every.open())
+    probe = f"{svcs[1].name}.{svcs[1].namespace}.svc.cluster.local."
+    starts, rss0, rss1 = [], [], []
+    for _ in range(args.starts):
+        secs, rss, proc, prt = first_answer(exe, big, probe, args.workers)
+        procs.append(proc)
+        starts.append(secs)
+        rss0.append(rss)
+        time.sleep(2)          # anything still loading after the first answer
+        dnsperf(prt, every, proc.pid, passes=1)
+        rss1.append(rss_mib(proc.pid))
+        proc.terminate()
+        proc.wait(timeout=15)
+    print(f"\n10000 services / 100000 endpoints ({big.stat().st_size / 1e6:.0f} MB manifest), {args.starts} starts:")
+    print(f"  first answer after exec: median {statistics.median(starts):.2f} s  "
+          f"({' '.join(f'{s:.2f}' for s in starts)})")
+    print(f"  RSS at the first answer: median {statistics.median(rss0):.0f} MiB; 2 s later and after one pass "
+          f"of every distinct query ({n_every}): median {statistics.median(rss1):.0f} MiB "
+          f"({' '.join(f'{r:.0f}' for r in rss1)})")
 
 
 if __name__ == "__main__":
