@@ -302,6 +302,103 @@ def parse_file(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[s
 
 
 
+class NotAJsonList(Exception):
+    """The bytes are not one JSON `kind: ...List` object with `items` (or not valid JSON):
+    the caller reads them the usual way, which also words any error."""
+
+
+_JSON_WS = re.compile(r"[ \t\n\r]*")   # JSON's whitespace, as the json module skips it
+_JSON_DECODE = json.JSONDecoder().raw_decode
+
+
+def _json_list_items(text: str) -> Iterator[Any]:
+    """The items of a JSON List object, each decoded when asked for, so that no more than one
+    item's dicts exist at a time (json.loads of the whole builds every one first). The other
+    top-level members are decoded as json.loads would; once the object is read, raises
+    NotAJsonList unless it was a List with one `items` array and nothing after it."""
+    ws: Any = _JSON_WS.match   # always matches (possibly nothing)
+    decode = _JSON_DECODE
+    top: dict[str, Any] = {}
+    items_seen = False
+    try:
+        i = ws(text, 0).end()
+        if text[i:i + 1] != "{":
+            raise NotAJsonList
+        i = ws(text, i + 1).end()
+        while True:
+            if text[i:i + 1] != '"':
+                raise NotAJsonList
+            key, i = decode(text, i)
+            i = ws(text, i).end()
+            if text[i:i + 1] != ":":
+                raise NotAJsonList
+            i = ws(text, i + 1).end()
+            if key != "items":
+                top[key], i = decode(text, i)
+            elif items_seen or text[i:i + 1] != "[":
+                raise NotAJsonList    # a second "items" (the last would win) or not an array
+            else:
+                items_seen = True
+                i = ws(text, i + 1).end()
+                if text[i:i + 1] == "]":
+                    i += 1
+                else:
+                    while True:
+                        item, i = decode(text, i)
+                        yield item
+                        del item
+                        i = ws(text, i).end()
+                        c = text[i:i + 1]
+                        i = ws(text, i + 1).end()
+                        if c == "]":
+                            break
+                        if c != ",":
+                            raise NotAJsonList
+            i = ws(text, i).end()
+            c = text[i:i + 1]
+            i = ws(text, i + 1).end()
+            if c == "}":
+                break
+            if c != ",":
+                raise NotAJsonList
+    except (ValueError, RecursionError):   # json.JSONDecodeError is a ValueError
+        raise NotAJsonList from None
+    kind = top.get("kind")
+    if i < len(text) or not items_seen or not isinstance(kind, str) or not kind.endswith("List"):
+        raise NotAJsonList
+
+
+def parse_json_list(raw: bytes, path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
+                    ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """parse_file's result for a JSON List (as `kubectl get -o json` prints), each item converted
+    as soon as it is decoded: the parse's peak memory is one item, not the whole document, so a
+    long-running process can read a big file itself. Raises NotAJsonList for anything else
+    (YAML, another JSON shape, broken JSON) and ManifestError past a limit."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise NotAJsonList from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    with gc_paused():
+        return records_from_documents(_json_list_items(text), path, limits)
+
+
+_JSON_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\n\r]*\{")
+
+
+def parse_file_lean(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """parse_file, a JSON List read item by item (parse_json_list); raises ManifestError."""
+    raw = read_bytes(path, limits)
+    if _JSON_START.match(raw):
+        try:
+            return parse_json_list(raw, path, limits)
+        except NotAJsonList:
+            pass
+    del raw
+    return parse_file(path, limits)
+
+
 def load_files(paths: Iterable[str], limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """Load files at once (one-shot commands); raises ManifestError on the first broken file."""
     records: list[tuple[str, Any]] = []
@@ -364,7 +461,7 @@ def _worker_main(argv: list[str]) -> int:
         out.write(data)
 
     try:
-        records, skipped = parse_file(path, Limits(max_bytes=max_bytes, max_objects=max_objects))
+        records, skipped = parse_file_lean(path, Limits(max_bytes=max_bytes, max_objects=max_objects))
     except ManifestError as exc:
         send(("error", exc.line, exc.reason, exc.transient))
         out.flush()
@@ -621,6 +718,22 @@ class ManifestSource:
             publish(self.store, (r for _, recs in files for r in recs))
         return True
 
+    def _parse_now(self, path: str, stamp: tuple) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+        """A blocking read. A big JSON List is read here item by item: its peak memory is one
+        item, and the records need no trip through pickle (at 10,000 Services the worker's
+        start, pickling and unpickling cost as much as the parse). Other big files go to a
+        worker, whose peak memory (the whole document) goes away with it."""
+        if not (self.worker and stamp and stamp[1] >= WORKER_MIN_BYTES):
+            return parse_file(path, self.limits)
+        raw = read_bytes(path, self.limits)
+        if _JSON_START.match(raw):
+            try:
+                return parse_json_list(raw, path, self.limits)
+            except NotAJsonList:
+                pass
+        del raw
+        return parse_in_worker(path, self.limits)
+
     def load(self, strict: bool = False) -> bool:
         """(Re)load changed files at once, in this process or a blocking worker; True if published.
 
@@ -628,10 +741,7 @@ class ManifestSource:
         changed = False
         for path, stamp in self._due(settle=False):
             try:
-                if self.worker and stamp and stamp[1] >= WORKER_MIN_BYTES:
-                    records, skipped = parse_in_worker(path, self.limits)
-                else:
-                    records, skipped = parse_file(path, self.limits)
+                records, skipped = self._parse_now(path, stamp)
             except ManifestError as exc:
                 self._fail(path, stamp, exc, strict)
                 continue

@@ -498,3 +498,90 @@ def test_one_shot_load_warns_about_duplicates_too(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         records, _ = load_files([str(a)])
     assert "Service shop/svc-0 is also given in" in caplog.text
+
+
+# A JSON List read item by item must give what the whole-document parse gives, and leave
+# every other shape (and every error) to that parse.
+_LIST = {"apiVersion": "v1", "items": cluster(3) + [svc("Bad_Name"), {"kind": "Deployment"}, [svc("in-a-list")]],
+         "kind": "List", "metadata": {"resourceVersion": ""}}
+JSON_LISTS = [
+    json.dumps(_LIST),                                           # kubectl's key order: items before kind
+    json.dumps(_LIST, indent=2),
+    "\ufeff \r\n" + json.dumps({"kind": "ServiceList", "items": cluster(1)}) + "\n\t ",
+    json.dumps({"kind": "List", "items": []}),
+    json.dumps({"kind": "List", "items": [{"kind": "List", "items": cluster(2)}]}),   # a List in a List
+    json.dumps({"kind": "List", "meta": {"items": [1]}, "items": cluster(1), "kind2": ["]", "}"]}),
+]
+NOT_JSON_LISTS = [
+    json.dumps({"kind": "List", "items": cluster(1)}) + " " + json.dumps(svc("x")),   # a stream of two documents
+    json.dumps({"kind": "List", "items": cluster(1)}).replace('"items"', '"items": [], "items"', 1),  # last wins
+    json.dumps({"kind": "Service", "items": cluster(1)}),      # not a List: one (odd) object
+    json.dumps({"kind": "List", "items": {"a": 1}}),
+    json.dumps({"items": cluster(1)}),
+    json.dumps(cluster(2)),                                     # a bare array
+    json.dumps(svc("one")),
+    '{"kind": "List", "items": [' + json.dumps(svc("a")) + ",]}",   # broken: trailing comma
+    '{"kind": "List", "items": [' + json.dumps(svc("a")) + "",      # broken: cut short
+    '{"kind": "List", "items": [' + "[" * 100_000 + "]" * 100_000 + "]}",   # nested too deeply
+    "kind: List\nitems: []\n",
+]
+
+
+@pytest.mark.parametrize("text", JSON_LISTS)
+def test_a_json_list_read_item_by_item_equals_the_whole_parse(tmp_path, text):
+    from clusterdns.sources.manifest import parse_file, parse_json_list
+    f = tmp_path / "m.json"
+    f.write_text(text)
+    assert parse_json_list(text.encode()) == records_from_documents(read_documents(str(f)))
+    assert parse_json_list(text.encode(), str(f)) == parse_file(str(f))
+
+
+@pytest.mark.parametrize("text", NOT_JSON_LISTS)
+def test_other_shapes_and_broken_json_are_left_to_the_whole_parse(tmp_path, text):
+    from clusterdns.sources.manifest import NotAJsonList, parse_file, parse_file_lean, parse_json_list
+    with pytest.raises(NotAJsonList):
+        parse_json_list(text.encode())
+    f = tmp_path / "m.json"
+    f.write_text(text)
+    try:
+        expected = parse_file(str(f))
+    except ManifestError as exc:
+        with pytest.raises(ManifestError) as got:
+            parse_file_lean(str(f))
+        assert str(got.value) == str(exc)
+    else:
+        assert parse_file_lean(str(f)) == expected
+
+
+def test_a_json_list_read_item_by_item_keeps_the_object_budget(tmp_path):
+    from clusterdns.sources.manifest import parse_json_list
+    with pytest.raises(ManifestError, match="more than 6 objects"):
+        parse_json_list(json.dumps(as_list(cluster(3) + [svc("x")])).encode(), "m.json", Limits(max_objects=6))
+    records, _ = parse_json_list(json.dumps(as_list(cluster(3))).encode(), "m.json", Limits(max_objects=7))
+    assert len(records) == 7
+
+
+def test_a_big_json_list_is_read_in_the_process_and_a_big_yaml_file_in_the_worker(tmp_path, monkeypatch):
+    """The first load of a big JSON List needs no worker; a big YAML file (or any other shape)
+    still goes to one, and both give the same state."""
+    import yaml
+
+    import clusterdns.sources.manifest as manifest
+    from clusterdns.synthetic import synthetic_records, to_manifest
+    text = to_manifest(synthetic_records(services=1500, endpoints=2))
+    as_json, as_yaml = tmp_path / "m.json", tmp_path / "m.yaml"
+    write(as_json, text)
+    write(as_yaml, yaml.safe_dump(json.loads(text)))
+    assert min(as_json.stat().st_size, as_yaml.stat().st_size) >= manifest.WORKER_MIN_BYTES
+    workers = []
+    real = manifest.parse_in_worker
+    monkeypatch.setattr(manifest, "parse_in_worker", lambda *a: workers.append(a[0]) or real(*a))
+    states = []
+    for f in (as_json, as_yaml):
+        store = StateStore()
+        assert ManifestSource(store, [str(f)]).load(strict=True)
+        states.append(store.current)
+    assert workers == [str(as_yaml)]
+    assert len(states[0].services) == 1500 and states[0].services == states[1].services
+    assert sum(len(s.endpoints) for s in states[0].slices.values()) == 3000
+    assert states[0].slices == states[1].slices
