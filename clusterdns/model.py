@@ -5,8 +5,9 @@ everything downstream (DNS zone, proxier, trace) reads only these records.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from operator import attrgetter
+from types import MemberDescriptorType
 
 TCP, UDP, SCTP = "TCP", "UDP", "SCTP"
 PROTOCOLS = (TCP, UDP, SCTP)
@@ -18,9 +19,36 @@ SERVICE_TYPES = (CLUSTER_IP, NODE_PORT, LOAD_BALANCER, EXTERNAL_NAME)
 IPV4, IPV6, FQDN = "IPv4", "IPv6", "FQDN"
 
 
+def _fast_init(cls):
+    """A frozen dataclass's __init__ sets each field through object.__setattr__ (looked up by
+    name every time): 1.4 us for an Endpoint, 100,000 of them at every load of a 10,000-Service
+    state. Setting the slots through their descriptors directly takes half that."""
+    fs = fields(cls)
+    if any(f.default_factory is not MISSING or not f.init  # type: ignore[misc]
+           or not isinstance(getattr(cls, f.name, None), MemberDescriptorType) for f in fs):
+        return   # only plain slots fields
+    env = {f"_s{i}": getattr(cls, f.name).__set__ for i, f in enumerate(fs)}
+    params = []
+    for i, f in enumerate(fs):
+        if f.default is MISSING:
+            params.append(f.name)
+        else:
+            env[f"_d{i}"] = f.default
+            params.append(f"{f.name}=_d{i}")
+    body = "".join(f"  _s{i}(self, {f.name})\n" for i, f in enumerate(fs))
+    src = f"def _make({', '.join(env)}):\n def __init__(self, {', '.join(params)}):\n{body} return __init__\n"
+    ns: dict = {}
+    exec(src, ns)   # built from the class's own field names only
+    init = ns["_make"](**env)
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init
+
+
 def _picklable(cls):
     """Pickle as cls(*fields): the manifest parse worker streams 100,000s of records to the
     agent, and the slots dataclass default (a __setstate__ loop in Python) unpickles at half the speed."""
+    _fast_init(cls)
     names = tuple(f.name for f in fields(cls))
     get = attrgetter(*names)
     if len(names) == 1:
