@@ -72,6 +72,15 @@ class Forwarder(Protocol):
         ...
 
 
+def _forwarded_key(data: bytes, qend: int, do: bool) -> bytes:
+    """The key of a forwarded answer kept for the fast path: the question's name (lower case)
+    and type, then the DO and CD bits (each pair its own answer, as in the forwarder's cache)."""
+    return data[12:qend - 4].lower() + data[qend - 4:qend - 2] + _DO_CD[(2 if do else 0) | (1 if data[3] & 0x10 else 0)]
+
+
+_DO_CD = (b"\x00", b"\x01", b"\x02", b"\x03")
+
+
 class _Query:
     """What resolve() learnt from a query's bytes."""
     __slots__ = ("data", "qend", "labels", "raw_labels", "qtype", "edns", "do", "tcp", "client_ip", "record")
@@ -175,7 +184,7 @@ class Engine:
             entry = self._memo_miss(view, key)
             if entry is None:
                 if self._fwd:
-                    reply = self._fast_forwarded(key + (b"\x02" if edns > 0 else b"\x00"), data, qend, opt, limit)
+                    reply = self._fast_forwarded(_forwarded_key(data, qend, edns > 0), data, qend, opt, limit)
                     if reply is not None:
                         return reply
                 entry = self._first(view, data, end, qend, key)
@@ -248,8 +257,6 @@ class Engine:
 
     def _fast_forwarded(self, key: bytes, data: bytes, qend: int, opt: bytes, limit: int) -> bytes | None:
         """A forwarded answer still fresh in the cache: counted as a cache hit, TTLs counted down."""
-        if data[3] & 0x10:                   # CD: a key of its own
-            key = key[:-1] + bytes((key[-1] | 1,))
         f = self._fwd.hit(key)
         if f is None or self._probes:
             return None
@@ -276,9 +283,7 @@ class Engine:
         body = pack_body(lower, records_with_ttl(rec.rr, 0), records_with_ttl(rec.auth, 0),
                          records_with_ttl(ar, 0))
         flags = (rec.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
-        key = q.data[12:q.qend - 4].lower() + q.data[q.qend - 4:q.qend - 2] + bytes(
-            ((2 if q.do else 0) | (1 if q.data[3] & 0x10 else 0),))
-        self._fwd[key] = _Forwarded(ckey, centry, flags, body)
+        self._fwd[_forwarded_key(q.data, q.qend, q.do)] = _Forwarded(ckey, centry, flags, body)
 
     # --- full path -----------------------------------------------------------------------
 
@@ -506,8 +511,7 @@ class Engine:
             # a failure of ours must not outlive this query: forget what the cache holds for it
             if self._fcache is not None and q.record is not None:
                 self._fcache.discard(cache_key(q.record))
-            self._fwd.pop(q.data[12:q.qend - 4].lower() + q.data[q.qend - 4:q.qend - 2] + bytes(
-                ((2 if q.do else 0) | (1 if q.data[3] & 0x10 else 0),)), None)
+            self._fwd.pop(_forwarded_key(q.data, q.qend, q.do), None)
             raise
 
     def _upstream_reply(self, q: _Query, reply: DNSRecord, prefix: list | None = None) -> bytes:
