@@ -14,13 +14,13 @@ import asyncio
 import logging
 import random
 import struct
-import time
 from typing import Callable, Protocol
 
 import dnslib
 from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
 
 from ..config import Config
+from ..lograte import LogLimit
 from ..state import ClusterState
 from . import metrics, names, resolvconf, xfr
 from .cache import cache_key
@@ -146,7 +146,7 @@ class Engine:
         self._nx_view: ZoneView | None = None
         self._nx_entries: dict[tuple, Body] = {}
         self._building: dict[tuple, asyncio.Future] = {}    # big answers being built, by (view, key)
-        self._panics, self._panic_logged = 0, -PANIC_LOG_INTERVAL
+        self._panic_log = LogLimit(PANIC_LOG_INTERVAL)
 
     # --- state -------------------------------------------------------------------------
 
@@ -293,11 +293,9 @@ class Engine:
             return await self._resolve(data, client_ip, tcp)
         except Exception:  # our bug; never raise into the server: count it, answer SERVFAIL
             metrics.panic()
-            self._panics += 1
-            now = time.monotonic()
-            if now - self._panic_logged >= PANIC_LOG_INTERVAL:     # one traceback per interval
-                log.exception("failed to answer a query (%d since the last report)", self._panics)
-                self._panic_logged, self._panics = now, 0
+            n = self._panic_log.due()
+            if n:                       # one traceback per interval
+                log.exception("failed to answer a query (%d since the last report)", n)
             if len(data) < 12 or data[2] & 0x80:
                 return None
             q = _Query(data, tcp, client_ip)

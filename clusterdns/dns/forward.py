@@ -35,6 +35,7 @@ from dnslib.buffer import BufferError as DNSBufferError
 from dnslib.label import DNSLabelError
 
 from ..config import Config, parse_hostport
+from ..lograte import LogLimit
 from . import metrics, resolvconf
 from .cache import Cache, cache_key
 from .wire import question_end
@@ -166,8 +167,7 @@ class Forward:
         self._inflight = 0
         self.loop_probes: dict[str, Upstream] = {}    # loop-probe name -> upstream probed
         self._probe_seen: dict[str, int] = {}
-        self._bad_logged = -LOG_INTERVAL
-        self._bad_count = 0
+        self._bad_log = LogLimit(LOG_INTERVAL)
         if cache is not None:
             metrics.register_cache(cache)
 
@@ -290,11 +290,9 @@ class Forward:
 
     def _unusable(self, reason: str) -> None:
         """An upstream sent a reply we cannot use: a warning at most every LOG_INTERVAL."""
-        self._bad_count += 1
-        now = time.monotonic()
-        if now - self._bad_logged >= LOG_INTERVAL:
-            log.warning("upstream reply ignored (%d since the last report): %s", self._bad_count, reason)
-            self._bad_logged, self._bad_count = now, 0
+        n = self._bad_log.due()
+        if n:
+            log.warning("upstream reply ignored (%d since the last report): %s", n, reason)
 
     def _failed(self, up: Upstream, reason: str) -> None:
         up.fails += 1

@@ -31,6 +31,7 @@ from time import monotonic, perf_counter
 from typing import Any, Callable
 
 from ..config import Config
+from ..lograte import LogLimit
 from ..state import ClusterState, Delta, StateStore
 from . import metrics
 from .forward import Forward
@@ -569,10 +570,9 @@ class DnsService:
         self._servers: list[asyncio.AbstractServer] = []
         self._stats: list[metrics.ServerStats] = []
         self._tcp_conns: dict[asyncio.StreamWriter, _TcpConn] = {}
-        self._notes: dict[str, tuple[int, float]] = {}
+        self._notes: dict[str, LogLimit] = {}
         self._iface_addresses: list[str] | None = None
-        self._panics = 0
-        self._panic_logged = -PANIC_LOG_INTERVAL
+        self._panic_log = LogLimit(PANIC_LOG_INTERVAL)
         store.subscribe(self._on_state)
         self.engine.update(store.current)
 
@@ -611,12 +611,9 @@ class DnsService:
     def panic(self, data: bytes) -> bytes | None:
         """Called from an except block: count, log (rate-limited), and build SERVFAIL."""
         metrics.panic()
-        self._panics += 1
-        now = monotonic()
-        if now - self._panic_logged >= PANIC_LOG_INTERVAL:
-            log.exception("answering a query failed (%d since the last report); replying SERVFAIL",
-                          self._panics)
-            self._panic_logged, self._panics = now, 0
+        n = self._panic_log.due()
+        if n:
+            log.exception("answering a query failed (%d since the last report); replying SERVFAIL", n)
         return error_reply(data, SERVFAIL)
 
     def _udp_slow(self, receiver: _UdpReceiver, data: bytes, addr, started: float) -> None:
@@ -699,14 +696,12 @@ class DnsService:
 
     def _note(self, kind: str, msg: str, *args) -> None:
         """Log what clients make happen at most once per NOTE_INTERVAL per kind, with a count."""
-        n = self._notes.get(kind, (0, -NOTE_INTERVAL))
-        count, at = n[0] + 1, n[1]
-        now = monotonic()
-        if now - at >= NOTE_INTERVAL:
-            log.info(msg, *args, count)
-            self._notes[kind] = (0, now)
-        else:
-            self._notes[kind] = (count, at)
+        limit = self._notes.get(kind)
+        if limit is None:
+            limit = self._notes[kind] = LogLimit(NOTE_INTERVAL)
+        n = limit.due()
+        if n:
+            log.info(msg, *args, n)
 
     async def _tcp_session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            stats: metrics.ServerStats, conn: "_TcpConn") -> None:
