@@ -92,19 +92,12 @@ def _bind(host: str, port: int, reuse_port: bool = False,
             want = _free_port(host)
         else:
             want = port
-        udp = socket.socket(fam, socket.SOCK_DGRAM)
-        tcp = socket.socket(fam, socket.SOCK_STREAM)
+        made: list[socket.socket] = []
         try:
-            for s in (udp, tcp):
-                if fam == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            _set_buffers(udp)
-            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port and port:
-                for s in (udp, tcp):
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if udp_reuse_port:
-                udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            udp = _listener(fam, socket.SOCK_DGRAM, udp_reuse_port or bool(reuse_port and port))
+            made.append(udp)
+            tcp = _listener(fam, socket.SOCK_STREAM, bool(reuse_port and port))
+            made.append(tcp)
             udp.bind((host, want))
             real = udp.getsockname()[1]
             tcp.bind((host, real))
@@ -113,11 +106,11 @@ def _bind(host: str, port: int, reuse_port: bool = False,
             tcp.setblocking(False)
             return udp, tcp
         except OSError as exc:
-            udp.close()
-            tcp.close()
+            for s in made:
+                s.close()
             if port == 0 and exc.errno == errno.EADDRINUSE:
                 continue   # the UDP port was free but not the TCP one: pick another
-            raise OSError(exc.errno, f"cannot listen on {_show(host, port)}: {exc.strerror or exc}") from None
+            raise _cannot_listen(host, port, exc) from None
     raise OSError(errno.EADDRINUSE, f"cannot listen on {_show(host, port)}: no free port")
 
 
@@ -130,17 +123,38 @@ def _free_port(host: str) -> int:
 def _bind_udp(host: str, port: int) -> socket.socket:
     """One more UDP socket on the address of a _bind(..., reuseport=True) one (the kernel
     spreads datagrams over them by a hash of the client's address and port)."""
-    udp = socket.socket(_family(host), socket.SOCK_DGRAM)
+    udp = None
     try:
-        if _family(host) == socket.AF_INET6:
-            udp.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        _set_buffers(udp)
-        udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        udp = _listener(_family(host), socket.SOCK_DGRAM, True)
         udp.bind((host, port))
         return udp
     except OSError as exc:
-        udp.close()
-        raise OSError(exc.errno, f"cannot listen on {_show(host, port)}: {exc.strerror or exc}") from None
+        if udp is not None:
+            udp.close()
+        raise _cannot_listen(host, port, exc) from None
+
+
+def _listener(fam: int, kind: int, reuse_port: bool) -> socket.socket:
+    """An unbound socket as every listener has it: IPv6 only on IPv6; UDP with big buffers,
+    TCP with SO_REUSEADDR; SO_REUSEPORT when asked."""
+    s = socket.socket(fam, kind)
+    try:
+        if fam == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        if kind == socket.SOCK_DGRAM:
+            _set_buffers(s)
+        else:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> OSError:
+    return OSError(exc.errno, f"cannot listen on {_show(host, port)}: {exc.strerror or exc}")
 
 
 def _set_buffers(sock: socket.socket) -> None:
