@@ -278,15 +278,18 @@ def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects],
                 elements.setdefault(name, {})[ekey] = text
             refs[rk] = refs.get(rk, 0) + 1
     if buckets is None:
-        buckets = _buckets(owned)
+        buckets = _buckets((key, objs.slot_keys) for key, objs in owned.items())
     return NftState(family, chains, decls, sets, elements, owned, context, refs, buckets)
 
 
-def _buckets(owned: Mapping[tuple[str, str], Objects]) -> dict[tuple[str, int], dict[tuple, int]]:
+def _buckets(slot_keys: Iterable[tuple[tuple[str, str], tuple]]) -> dict[tuple[str, int], dict[tuple, int]]:
+    """Slots of every Service's slot keys ((Service key, its slot keys) pairs), per bucket."""
     out: dict[tuple[str, int], list] = {}
-    for key, objs in owned.items():
-        for sk in objs.slot_keys:
-            out.setdefault((sk[3], bucket_of(key)), []).append(sk)
+    for key, sks in slot_keys:
+        if sks:
+            b = bucket_of(key)
+            for sk in sks:
+                out.setdefault((sk[3], b), []).append(sk)
     return {b: _assign(v) for b, v in out.items()}
 
 
@@ -619,13 +622,7 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
                 context: tuple, cache: RenderCache | None) -> NftState:
     groups = _group(service_ports(state, cfg, family))
     slot_keys = {key: _slot_keys(pairs) for key, pairs in groups.items()}
-    by_bucket: dict[tuple[str, int], list] = {}
-    for key, sks in slot_keys.items():
-        if sks:
-            b = bucket_of(key)
-            for sk in sks:
-                by_bucket.setdefault((sk[3], b), []).append(sk)
-    buckets = {b: _assign(v) for b, v in by_bucket.items()}
+    buckets = _buckets(slot_keys.items())
     index = {sk: (b, i) for b, sks in buckets.items() for sk, i in sks.items()}
     _, ipx, addr_type = _fam(family)
     ctx = (family, node, zone, cfg.proxy.masquerade_all)
