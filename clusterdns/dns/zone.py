@@ -306,7 +306,7 @@ class ZoneView:
         # earlier versions' prebuilt answers, newest first: the engine takes over those still true
         self.carried: tuple[dict, ...] = ((prev.memo,) + prev.carried[:2]) if prev is not None else ()
         with gc_paused():   # compiling allocates many small objects: collections would only rescan the state
-            self.by_service = self._group_slices(prev)
+            self.by_service = st.slices_by_service   # the store's index, kept up to date per change
             self.services = self._compile_services(prev)
             if prev is not None and prev.state.services.keys() == self.state.services.keys():
                 self.svc_namespaces = prev.svc_namespaces
@@ -316,41 +316,6 @@ class ZoneView:
             self.cips, self.eps = self._index_addresses(prev)
 
     # --- compile ---------------------------------------------------------------------
-
-    def _group_slices(self, prev: "ZoneView | None") -> dict[tuple[str, str], tuple[EndpointSlice, ...]]:
-        """EndpointSlices by Service, patched from the previous view when only a few changed."""
-        new = self.state.slices
-        if prev is None:
-            groups: dict[tuple[str, str], list[EndpointSlice]] = {}
-            for key in sorted(new):
-                sl = new[key]
-                groups.setdefault(sl.service_key, []).append(sl)
-            return {k: tuple(v) for k, v in groups.items()}
-        old = prev.state.slices
-        if old is new:
-            return prev.by_service
-        by_service = dict(prev.by_service)
-        touched: dict[tuple[str, str], dict] = {}
-        changed = [k for k, v in new.items() if old.get(k) is not v]
-        changed += [k for k in old if k not in new]
-        for k in changed:
-            o, n = old.get(k), new.get(k)
-            if o is not None:
-                cur = touched.get(o.service_key)
-                if cur is None:
-                    cur = touched[o.service_key] = {s.key: s for s in by_service.get(o.service_key, ())}
-                cur.pop(k, None)
-            if n is not None:
-                cur = touched.get(n.service_key)
-                if cur is None:
-                    cur = touched[n.service_key] = {s.key: s for s in by_service.get(n.service_key, ())}
-                cur[k] = n
-        for skey, cur in touched.items():
-            if cur:
-                by_service[skey] = tuple(cur[k] for k in sorted(cur))
-            else:
-                by_service.pop(skey, None)
-        return by_service
 
     def _compile_services(self, prev: "ZoneView | None") -> dict[tuple[str, str], "ServiceData"]:
         old = prev.services if prev is not None else {}

@@ -117,19 +117,27 @@ def _transport(conf: Any) -> Transport:
     return Transport(client.ApiClient(configuration=conf))
 
 
+TOKEN_REFRESH_INTERVAL = 60.0   # seconds between checks of an exec-plugin or GCP token
+
+
 async def _token_refresher(loader: Any, conf: Any) -> None:
-    """Keep exec-plugin and GCP tokens fresh (in-cluster tokens refresh by themselves)."""
-    if loader is None or not (getattr(loader, "provider", None) == "gcp" or "exec" in loader._user):
-        return
+    """Keep exec-plugin and GCP tokens fresh (in-cluster tokens refresh by themselves).
+
+    The client's refresh_token decides from the kubeconfig user: it loops for those two
+    and returns at once for any other credentials (a static token, certificates)."""
+    if loader is None or not loader.current_context["context"].get("user"):
+        return   # in-cluster, or a context without a user: nothing to refresh
     from kubernetes.aio import config
     while True:
         try:
-            await config.refresh_token(loader, conf)
+            await config.refresh_token(loader, conf, interval=TOKEN_REFRESH_INTERVAL)
+            return
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("refreshing the API token failed: %s; retrying in 60s", _one_line(exc))
-            await asyncio.sleep(60)
+            log.warning("refreshing the API token failed: %s; retrying in %gs", _one_line(exc),
+                        TOKEN_REFRESH_INTERVAL)
+            await asyncio.sleep(TOKEN_REFRESH_INTERVAL)
 
 
 class KubeSource:

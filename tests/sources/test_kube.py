@@ -655,3 +655,53 @@ async def _is_ready(agent) -> bool:
 
 async def _resolves(agent, name: str, ip: str) -> bool:
     return await resolve(agent, name) == ("NOERROR", [ip])
+
+
+def _exec_kubeconfig(api, tmp_path) -> str:
+    """A kubeconfig whose user's token comes from an exec plugin handing out tok-1, tok-2, ..."""
+    import json
+    import sys
+    counter = tmp_path / "count"
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "import json, pathlib\n"
+        f"p = pathlib.Path({str(counter)!r})\n"
+        "n = int(p.read_text()) + 1 if p.exists() else 1\n"
+        "p.write_text(str(n))\n"
+        "print(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1beta1', 'kind': 'ExecCredential',\n"
+        "                  'status': {'token': f'tok-{n}'}}))\n")
+    path = tmp_path / "kubeconfig"
+    api.write_kubeconfig(path)
+    doc = json.loads(path.read_text())
+    doc["users"][0]["user"] = {"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1",
+                                        "command": sys.executable, "args": [str(plugin)]}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+async def test_exec_plugin_token_is_refreshed(api, tmp_path, monkeypatch):
+    monkeypatch.setattr(kube, "TOKEN_REFRESH_INTERVAL", 0.05)
+    conf, loader = await kube._load_configuration(_exec_kubeconfig(api, tmp_path))
+    assert conf.api_key["BearerToken"].endswith("tok-1")
+    task = asyncio.create_task(kube._token_refresher(loader, conf))
+    try:
+        await eventually(lambda: conf.api_key["BearerToken"].endswith("tok-3"), timeout=20, what="two refreshes")
+        assert not task.done()              # it keeps refreshing
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_static_token_needs_no_refresher(api, kubeconfig, tmp_path):
+    conf, loader = await kube._load_configuration(kubeconfig)
+    # returns at once: nothing to refresh for a token written in the kubeconfig...
+    await asyncio.wait_for(kube._token_refresher(loader, conf), 5)
+    # ...nor for a context without a user, nor in-cluster (no loader)
+    import json
+    doc = json.loads(open(kubeconfig).read())
+    del doc["contexts"][0]["context"]["user"]
+    (tmp_path / "anon").write_text(json.dumps(doc))
+    conf, loader = await kube._load_configuration(str(tmp_path / "anon"))
+    await asyncio.wait_for(kube._token_refresher(loader, conf), 5)
+    await asyncio.wait_for(kube._token_refresher(None, conf), 5)
