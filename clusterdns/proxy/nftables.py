@@ -923,10 +923,6 @@ def full_ops(new: NftState) -> list[Op]:
     return ops
 
 
-def full_text(new: NftState) -> str:
-    return ops_text(full_ops(new), new.family)
-
-
 def _rules_and_elements(ops: list[Op], new: NftState) -> None:
     """Every rule, then every element, of `new` (hot: hundreds of thousands of objects)."""
     for name, rules in new.chains.items():
@@ -975,10 +971,6 @@ def resync_ops(old: NftState, new: NftState) -> list[Op]:
     return ops
 
 
-def resync_text(old: NftState, new: NftState) -> str:
-    return ops_text(resync_ops(old, new), new.family)
-
-
 def diff_ops(old: NftState, new: NftState) -> list[Op]:
     """The transaction turning `old` into `new`: only changed elements and chains."""
     ops: list[Op] = []
@@ -1025,11 +1017,6 @@ def diff_ops(old: NftState, new: NftState) -> list[Op]:
             if before.get(key) != elem:
                 ops.append(Op("add", "element", s, (element_of(elem),)))
     return ops
-
-
-def diff_text(old: NftState, new: NftState) -> tuple[str, int]:
-    ops = diff_ops(old, new)
-    return ops_text(ops, new.family), len(ops)
 
 
 def programmed(family: int = 4, netns: str | None = None) -> dict[tuple[str, str, int], frozenset[str]]:
@@ -1185,5 +1172,5 @@ def cleanup_text(family: int = 4) -> str:
     return f"add table {fam} {n.NFT_TABLE}\ndelete table {fam} {n.NFT_TABLE}\n"
 
 
-__all__ = ["NftRuleSet", "NftState", "RenderCache", "build", "cleanup_text", "diff_text", "full_text",
-           "programmed", "render", "shares"]
+__all__ = ["NftRuleSet", "NftState", "RenderCache", "build", "cleanup_text", "diff_ops", "full_ops",
+           "programmed", "render", "resync_ops", "shares"]

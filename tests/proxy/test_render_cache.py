@@ -13,6 +13,7 @@ import pytest
 from clusterdns.config import Config
 from clusterdns.model import Service, ServicePort
 from clusterdns.proxy import iptables, ipvs, nftables, servicemap
+from clusterdns.proxy.nftobj import text as ops_text
 from clusterdns.sources.manifest import publish
 from clusterdns.state import StateStore, state_from_records
 from clusterdns.synthetic import synthetic_records
@@ -239,11 +240,11 @@ def test_chained_changes_equal_a_full_build():
     assert dict(prev.chains) == dict(full.chains)
     assert dict(prev.chain_decls) == dict(full.chain_decls) and dict(prev.sets) == dict(full.sets)
     assert {k: dict(v) for k, v in prev.elements.items()} == {k: dict(v) for k, v in full.elements.items()}
-    assert nftables.diff_text(prev, full) == ("", 0)
+    assert nftables.diff_ops(prev, full) == []
     def statements(text):   # one per element: element statements group a set's elements
         out = []
         for line in text.splitlines():
             head, sep, body = line.partition(" { ")
             out += [f"{head} {{ {e} }}" for e in body[:-2].split(", ")] if line.startswith("add element") else [line]
         return sorted(out)
-    assert statements(nftables.full_text(prev)) == statements(nftables.full_text(full))
+    assert statements(ops_text(nftables.full_ops(prev), 4)) == statements(ops_text(nftables.full_ops(full), 4))
