@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.nslib import POD_RESOLV, Namespaces, connect, missing, requires, run, wait_until, write_manifest
+from tests.nslib import (
+    POD_RESOLV,
+    Namespaces,
+    connect,
+    missing,
+    nft,
+    nft_table,
+    requires,
+    run,
+    wait_until,
+    write_manifest,
+)
 
 pytestmark = requires()
 
@@ -59,3 +70,17 @@ def test_missing_names_the_absent_tool_and_manifest_is_atomic(tmp_path):
     write_manifest(path, [{"kind": "Namespace"}])
     assert path.read_text() == '{"apiVersion": "v1", "kind": "List", "items": [{"kind": "Namespace"}]}'
     assert not (tmp_path / "m.json.tmp").exists()
+
+
+@requires("nft")
+def test_nft_loads_checks_and_lists():
+    script = "table ip kube-proxy {\n\tchain probe {\n\t\tcounter\n\t}\n}\n"
+    with Namespaces("nslib-nft") as nss:
+        a = nss.add("a")
+        assert nft(a, script, check=True).returncode == 0
+        assert "kube-proxy" not in run("nft", "list", "tables", ns=a).stdout     # -c changes nothing
+        nft(a, script, strict=True)
+        assert "chain probe" in nft_table(a) and nft_table(a, "ip") == nft_table(a, 4)
+        assert nft(a, "add rule ip kube-proxy nosuch counter\n").returncode != 0
+        with pytest.raises(AssertionError, match="nosuch"):
+            nft(a, "add rule ip kube-proxy nosuch counter\n", strict=True)

@@ -187,6 +187,23 @@ def netns(tag: str) -> Iterator[str]:
         yield nss.add("ns")
 
 
+# ---------------------------------------------------------------- nftables
+
+def nft(ns: str, script: str, *, check: bool = False, strict: bool = False) -> subprocess.CompletedProcess:
+    """`nft -f -` of script in namespace ns; check: `nft -c` (parse and check only, change nothing).
+    Returns the result; strict: a failure raises, with nft's message and the script."""
+    res = run("nft", *(["-c"] if check else []), "-f", "-", ns=ns, input=script)
+    if strict and res.returncode != 0:
+        raise AssertionError(f"nft -f in {ns}: exit {res.returncode}: {res.stderr.strip()}\n{script}")
+    return res
+
+
+def nft_table(ns: str, family: int | str = 4, table: str = "kube-proxy") -> str:
+    """`nft list table` of the proxier's table in ns; family 4/6 or nft's "ip"/"ip6"."""
+    fam = {4: "ip", 6: "ip6"}.get(family, family) if isinstance(family, int) else family
+    return sh("nft", "list", "table", fam, table, ns=ns)
+
+
 # ---------------------------------------------------------------- traffic
 
 def connect(ns: str, proto: str, host: str, port: int, count: int, *, bind: str = "", sport: int = 0,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import subprocess
@@ -38,6 +39,7 @@ from clusterdns.proxy.nftobj import Endpoint as NftEndpoint
 from clusterdns.proxy.nftobj import text as ops_text
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests import nslib
 from tests.nslib import requires
 
 CFG = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
@@ -176,14 +178,8 @@ def pair(namespaces):
         nflink.close_all()
 
 
-def nft(ns: str, text: str) -> None:
-    r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=text, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr + text
-
-
-def listing(ns: str, fam: str = "ip") -> str:
-    return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", fam, "kube-proxy"],
-                          capture_output=True, text=True, check=True).stdout
+nft = functools.partial(nslib.nft, strict=True)
+listing = nslib.nft_table
 
 
 def _blocks(text: str) -> dict[str, list[str]]:

@@ -24,7 +24,7 @@ from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
 from tests.demo import DEMO_CFG, demo_state
-from tests.nslib import requires
+from tests.nslib import nft, nft_table, requires
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = bool(os.environ.get("UPDATE_GOLDEN"))
@@ -272,16 +272,8 @@ def test_cleanup_text():
 needs_netns = requires("nft")
 
 
-def nft(ns: str, text: str, check: bool = False) -> subprocess.CompletedProcess:
-    argv = ["ip", "netns", "exec", ns, "nft"] + (["-c"] if check else []) + ["-f", "-"]
-    return subprocess.run(argv, input=text, capture_output=True, text=True)
-
-
 def listing(ns: str, family: int = 4) -> list[str]:
-    fam = "ip6" if family == 6 else "ip"
-    out = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", fam, "kube-proxy"],
-                         capture_output=True, text=True, check=True).stdout
-    return normalise(out)
+    return normalise(nft_table(ns, family))
 
 
 def normalise(listing_text: str) -> list[str]:
