@@ -436,12 +436,14 @@ def duplicates(files: Iterable[tuple[str, list[tuple[str, Any]]]]) -> list[str]:
     return out
 
 
-def publish(store: StateStore, records: Iterable[tuple[str, Any]]) -> None:
-    """Replace every kind in the store with these records, as one version."""
+def publish(store: StateStore, records: Iterable[tuple[str, Any]]) -> bool:
+    """Replace every kind in the store with these records, as one version; False when some
+    object was given twice (the store holds fewer than it was given: see duplicates())."""
     by_kind = group_by_kind(records)
     with gc_paused(), store.batch():
         for kind in KINDS:
             store.replace(kind, by_kind[kind])
+    return all(len(store.current.of_kind(kind)) == len(by_kind[kind]) for kind in KINDS)
 
 
 # -- the parse worker: a child process, records streamed back in frames ------------------
@@ -694,9 +696,9 @@ class ManifestSource:
         if not self.ready:
             return False
         files = [(p, self._good[p]) for p in self.paths]
-        for line in duplicates(files):
-            log.warning("%s", line)
-        publish(self.store, (r for _, recs in files for r in recs))
+        if not publish(self.store, (r for _, recs in files for r in recs)):
+            for line in duplicates(files):   # only then: naming them costs a pass over every record
+                log.warning("%s", line)
         return True
 
     async def _publish_off_loop(self) -> bool:
