@@ -241,6 +241,10 @@ class ServiceData:
             self.by_name()
         return self._eps_by_name.get(name, [])
 
+    def names_at(self, ip: str) -> list[str]:
+        """The names of the ready endpoints with this address, each once, in order."""
+        return list(dict.fromkeys(name for name, addr, _ in self.ready if addr == ip))
+
     def ready_ips(self, v6: bool) -> list[str]:
         seen: dict[str, None] = {}
         for _, ip, _ in self.ready:
@@ -336,11 +340,25 @@ class ZoneView:
             return
         for ip in sd.svc.cluster_ips:
             _index_add(cips, "c", ip, (sd, None), copied)
-        for name, ip, _ in sd.ready:
-            _index_add(eps, "e", ip, (sd, name), copied)
+        get = eps.get
+        for entry in sd.ready:
+            ip = entry[1]
+            had = get(ip)
+            if had is None:
+                eps[ip] = sd
+            elif had is not sd:
+                if type(had) is not list:
+                    eps[ip] = [had, sd]
+                elif sd not in had:
+                    if copied is not None and ip not in copied:   # shared with the previous view
+                        had = eps[ip] = list(had)
+                        copied.add(ip)
+                    had.append(sd)
 
     def _index_addresses(self, prev: "ZoneView | None") -> tuple[dict, dict]:
-        """address -> [(service, None)] for ClusterIPs and [(service, endpoint name)] for ready endpoints."""
+        """address -> [(service, None)] for ClusterIPs, and address -> the service (a list of
+        them when several) whose ready endpoints have it: no per-endpoint list and tuple (13 MB
+        at 100,000 endpoints); reverse() finds the endpoint names in the service's entries."""
         rebuild = prev is None or (self.selector is not None and prev.state.namespaces is not self.state.namespaces)
         if rebuild:
             cips: dict[str, list] = {}
@@ -355,15 +373,21 @@ class ZoneView:
             return prev.cips, prev.eps
         cips, eps = dict(prev.cips), dict(prev.eps)
         for sd in gone:
-            for table, ips in ((cips, sd.svc.cluster_ips), (eps, [ip for _, ip, _ in sd.ready])):
-                for ip in ips:
-                    lst = table.get(ip)
-                    if lst is not None:
-                        keep = [x for x in lst if x[0] is not sd]
-                        if keep:
-                            table[ip] = keep
-                        else:
-                            del table[ip]
+            for ip in sd.svc.cluster_ips:
+                lst = cips.get(ip)
+                if lst is not None:
+                    keep = [x for x in lst if x[0] is not sd]
+                    if keep:
+                        cips[ip] = keep
+                    else:
+                        del cips[ip]
+            for _, ip, _ in sd.ready:
+                had = eps.get(ip)
+                if had is sd:
+                    del eps[ip]
+                elif type(had) is list and sd in had:
+                    keep = [x for x in had if x is not sd]
+                    eps[ip] = keep if len(keep) > 1 else keep[0]
         copied: set = set()
         for sd in added:
             self._add_addresses(sd, cips, eps, copied)
@@ -408,8 +432,18 @@ class ZoneView:
     # --- reverse index -----------------------------------------------------------------
 
     def reverse(self, ip: str) -> list[tuple["ServiceData", str | None]]:
-        """Who owns an address: ClusterIPs win over endpoints."""
-        return self.cips.get(ip) or self.eps.get(ip) or []
+        """Who owns an address: ClusterIPs win over endpoints (every name an address has)."""
+        return self.cips.get(ip) or self.endpoints_at(ip)
+
+    def endpoints_at(self, ip: str) -> list[tuple["ServiceData", str | None]]:
+        """(service, endpoint name) of every ready endpoint with this address."""
+        had = self.eps.get(ip)
+        if had is None:
+            return []
+        out: list[tuple[ServiceData, str | None]] = []
+        for sd in (had if type(had) is list else (had,)):
+            out += [(sd, name) for name in sd.names_at(ip)]
+        return out
 
     # --- records -----------------------------------------------------------------------
 

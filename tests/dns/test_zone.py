@@ -19,7 +19,7 @@ def snapshot(view: ZoneView):
     services = {k: (sd.kind, sd.ips4, sd.ips6, sd.ready) for k, sd in view.services.items()}
     by_service = {k: tuple(s.key for s in v) for k, v in view.by_service.items()}
     cips = {ip: sorted((sd.svc.key, n or "") for sd, n in lst) for ip, lst in view.cips.items()}
-    eps = {ip: sorted((sd.svc.key, n or "") for sd, n in lst) for ip, lst in view.eps.items()}
+    eps = {ip: sorted((sd.svc.key, n or "") for sd, n in view.endpoints_at(ip)) for ip in view.eps}
     return services, by_service, cips, eps
 
 
