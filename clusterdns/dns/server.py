@@ -294,6 +294,28 @@ class _UdpReceiver:
         self.outbox.append(self.local.udp)
         self.local.udp = {}
 
+    def _woken(self) -> bool:
+        """An empty datagram: a wake-up (the stop, or a scrape asking for the counts) or nothing
+        to answer. True when the thread is to end."""
+        if self.stopping:
+            return True
+        if self.flush_req:
+            self.flush_req = False
+            self._handoff()
+            self.flushed.set()
+        return False
+
+    def _failed(self, data: bytes, addr, started: float) -> None:
+        """engine.fast() raised: SERVFAIL (server.panic counts and logs it), counted as the
+        server's own reply."""
+        reply = self.service.panic(data)
+        if reply is not None:
+            try:
+                self.sock.sendto(reply, addr)
+            except OSError:
+                pass
+        self.local.record(data, reply, False, started, metrics.SERVER)
+
     def _main(self) -> None:
         io = _Mmsg.make(self.sock)
         if io is None:
@@ -318,24 +340,14 @@ class _UdpReceiver:
                 continue          # a transient error (ENOMEM...): keep receiving
             started = perf_counter()
             if not data:          # a wake-up, shutdown, or an empty datagram (nothing to answer)
-                if self.stopping:
+                if self._woken():
                     return
-                if self.flush_req:
-                    self.flush_req = False
-                    self._handoff()
-                    self.flushed.set()
                 continue
             try:
                 with lock:
                     reply = fast(data, False)
             except Exception:
-                reply = service.panic(data)
-                if reply is not None:
-                    try:
-                        sendto(reply, addr)
-                    except OSError:
-                        pass
-                local.record(data, reply, False, started, metrics.SERVER)
+                self._failed(data, addr, started)
                 n |= check           # the table's size is checked below
             else:
                 if reply is None:
@@ -355,7 +367,7 @@ class _UdpReceiver:
         """_run with recvmmsg/sendmmsg: every datagram waiting (up to _Mmsg.N) in one call,
         the replies in one call (the kernel's per-call cost shared; ~15% more queries per
         CPU-second under dnsperf than one recvfrom/sendto each)."""
-        fast, service, local, sock = self.service.engine.fast, self.service, self.local, self.sock
+        fast, service, local = self.service.engine.fast, self.service, self.local
         lock = service.engine_lock
         count = local.fast_udp
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
@@ -371,24 +383,14 @@ class _UdpReceiver:
             for i in range(got):
                 data = datagram(i)
                 if not data:      # a wake-up, shutdown, an empty or oversized datagram
-                    if self.stopping:
+                    if self._woken():
                         return
-                    if self.flush_req:
-                        self.flush_req = False
-                        self._handoff()
-                        self.flushed.set()
                     continue
                 try:
                     with lock:
                         reply = fast(data, False)
                 except Exception:
-                    reply = service.panic(data)
-                    if reply is not None:
-                        try:
-                            sock.sendto(reply, addr_of(i))
-                        except OSError:
-                            pass
-                    local.record(data, reply, False, started, metrics.SERVER)
+                    self._failed(data, addr_of(i), started)
                     continue
                 if reply is None or not add_reply(i, reply):
                     call(slow, self, data, addr_of(i), started)

@@ -120,6 +120,24 @@ async def test_fast_path_and_resolve_over_udp(double_server):
     assert engine.clients == ["127.0.0.1"]
 
 
+@pytest.mark.parametrize("batched", [True, False])
+async def test_a_fast_path_failure_is_servfail_counted_by_either_receive_loop(batched, monkeypatch):
+    if not batched:
+        monkeypatch.setenv("CLUSTERDNS_RECVMMSG", "0")
+    service = DnsService(cfg_for(), StateStore(), engine=EngineDouble())
+    await service.start()
+    try:
+        host, port = service.bound[0]
+        before = metrics._panics[0]
+        r = await dns.asyncquery.udp(dns.message.make_query("boom.example.", "A"), host, port=port, timeout=2)
+        assert r.rcode() == dns.rcode.SERVFAIL and metrics._panics[0] == before + 1
+        r = await dns.asyncquery.udp(dns.message.make_query("fast.example.", "A"), host, port=port, timeout=2)
+        assert r.rcode() == dns.rcode.NOERROR              # the receive thread goes on
+        assert _requests_total(port, "udp", "A") == 2      # the failed query counted too
+    finally:
+        await service.stop()
+
+
 async def test_engine_follows_the_store(double_server):
     service, engine = double_server
     service.store.mark_synced("Service")
