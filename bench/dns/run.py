@@ -166,6 +166,15 @@ def query_files(tmp: Path, svcs, slices, n: int = 100_000) -> dict[str, Path]:
     return files
 
 
+def start_unbound(tmp: Path, svcs, slices) -> tuple[int, subprocess.Popen]:
+    """unbound on a free port with unbound_conf's zones (the peer of every comparison): (port, process)."""
+    port = free_port()
+    conf = tmp / "unbound.conf"
+    unbound_conf(conf, port, svcs, slices)
+    return port, subprocess.Popen(["unbound", "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+
+
 def wait_answering(port: int, proc: subprocess.Popen, name: str, timeout: float = 120) -> None:
     import dns.message
     import dns.query
@@ -248,11 +257,7 @@ def main() -> int:
             servers: dict[str, tuple[int, subprocess.Popen]] = {}
             upstream = ["--no-upstream"]
             if not args.no_unbound:
-                uport = free_port()
-                conf = tmp / "unbound.conf"
-                unbound_conf(conf, uport, svcs, slices)
-                u = subprocess.Popen(["unbound", "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                uport, u = start_unbound(tmp, svcs, slices)
                 procs.append(u)
                 wait_answering(uport, u, probe)
                 upstream = ["--upstream", f"127.0.0.1:{uport}"]

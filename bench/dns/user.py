@@ -36,7 +36,15 @@ sys.path.insert(0, str(ROOT))
 
 import re  # noqa: E402
 
-from run import build_state, cpu_seconds, free_port, query_files, rss_mib, unbound_conf, wait_answering  # noqa: E402
+from run import (  # noqa: E402
+    build_state,
+    cpu_seconds,
+    free_port,
+    query_files,
+    rss_mib,
+    start_unbound,
+    wait_answering,
+)
 
 from clusterdns.synthetic import to_manifest  # noqa: E402
 
@@ -160,11 +168,7 @@ def throughput(args, exe: Path, tmp: Path, procs: list[subprocess.Popen]) -> Non
     every = distinct(list(mixes.values()), tmp / "distinct.txt")
     probe = f"{svcs[1].name}.{svcs[1].namespace}.svc.cluster.local."
 
-    uport = free_port()
-    conf = tmp / "unbound.conf"
-    unbound_conf(conf, uport, svcs, slices)
-    u = subprocess.Popen(["unbound", "-d", "-c", str(conf)], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    uport, u = start_unbound(tmp, svcs, slices)
     procs.append(u)
     port = free_port()
     p = start_server(exe, manifest, port, args.workers)
