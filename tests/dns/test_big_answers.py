@@ -19,6 +19,7 @@ import dns.rdatatype
 import pytest
 
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
+from tests.dns.dnskit import LiveServer, make_engine, make_state, query_wire
 
 N_ENDPOINTS = 50_000
 N_PORTS = 5_000
@@ -37,8 +38,8 @@ def records():
 
 
 @pytest.fixture
-def server(h):
-    srv = h.LiveServer(records())
+def server():
+    srv = LiveServer(records())
     yield srv
     srv.close()
 
@@ -111,13 +112,13 @@ def test_big_address_answers(server):
     assert [rd.target.to_text() for rd in m.answer[0]] == ["10-8-0-7.hl.big.svc.cluster.local."]
 
 
-def test_autopath_to_a_big_service(h, demo_records):
+def test_autopath_to_a_big_service(demo_records):
     """A pod's search-path candidate that is a big Service: answered (CNAME first), its records
     made off the loop and cut at what the reply carries."""
     import asyncio
-    state = h.make_state(list(demo_records) + records()[:2])
-    engine = h.make_engine(state, autopath=True, resolv_conf="/nonexistent")
-    wire = h.query_wire("hl.big.testapp.svc.cluster.local", "A", use_edns=0)
+    state = make_state(list(demo_records) + records()[:2])
+    engine = make_engine(state, autopath=True, resolv_conf="/nonexistent")
+    wire = query_wire("hl.big.testapp.svc.cluster.local", "A", use_edns=0)
     m = dns.message.from_wire(asyncio.run(engine.resolve(wire, "10.161.37.5", False)))   # pod testapp/client
     assert m.rcode() == dns.rcode.NOERROR and m.flags & dns.flags.TC and len(m.to_wire()) <= 1232
     assert m.answer[0].rdtype == dns.rdatatype.CNAME and m.answer[0][0].target.to_text() == "hl.big.svc.cluster.local."

@@ -15,6 +15,7 @@ import dns.zone
 import pytest
 
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort
+from tests.dns.dnskit import LiveServer
 
 HTTP = EndpointPort("http", "TCP", 8080)
 METRICS = EndpointPort("metrics", "TCP", 9090)
@@ -48,8 +49,8 @@ def zone_as_asked(qname: str, labels: int = 2) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(h):
-    srv = h.LiveServer(RECORDS, transfer=True)
+def server():
+    srv = LiveServer(RECORDS, transfer=True)
     yield srv
     srv.close()
 
@@ -128,8 +129,8 @@ def test_ptr_answers_every_name_of_an_address(server, base, targets, tcp):
         assert sorted(rd.target.to_text() for rd in answer) == targets
 
 
-def test_shared_address_ptr_after_an_incremental_update(h):
-    srv = h.LiveServer(RECORDS)
+def test_shared_address_ptr_after_an_incremental_update():
+    srv = LiveServer(RECORDS)
     try:
         assert len(srv.query("1.0.2.10.in-addr.arpa", "PTR").answer[0]) == 2
         # unrelated change (incremental compile), then a third name for the shared address
@@ -168,9 +169,9 @@ def test_transfer_srv_weights_per_name_and_port(server, zone):
     ])
 
 
-def test_namespace_labels_hide_ptr_of_unselected_namespaces(h):
+def test_namespace_labels_hide_ptr_of_unselected_namespaces():
     """Deliberate difference (docs/dns.md): CoreDNS answers this PTR, we keep the namespace hidden."""
-    srv = h.LiveServer(RECORDS, namespace_labels="team=x")
+    srv = LiveServer(RECORDS, namespace_labels="team=x")
     try:
         for qname in spellings("9.9.0.10.in-addr.arpa"):
             m = srv.query(qname, "PTR")

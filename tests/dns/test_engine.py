@@ -22,8 +22,7 @@ import pytest
 from dnslib import QTYPE, RR, DNSRecord
 
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort
-
-SERIAL = 1_700_000_001   # tests/dns/conftest.py builds states at this serial
+from tests.dns.dnskit import SERIAL, ask, ask_wire, lines, make_engine, make_state, query_wire
 
 
 def soa(zone: str = "cluster.local", ttl: int = 5, minimum: int = 5) -> str:
@@ -172,31 +171,30 @@ DEMO = [
 ]
 
 
-def check(m: dns.message.Message, h, rcode, answer, authority, additional):
+def check(m: dns.message.Message, rcode, answer, authority, additional):
     assert dns.rcode.to_text(m.rcode()) == rcode
     assert m.flags & dns.flags.AA, "zone answers are authoritative"
     assert not m.flags & dns.flags.RA
-    assert h.lines(m.answer) == sorted(answer)
-    assert h.lines(m.authority) == sorted(authority)
-    assert h.lines(m.additional) == sorted(additional)
+    assert lines(m.answer) == sorted(answer)
+    assert lines(m.authority) == sorted(authority)
+    assert lines(m.additional) == sorted(additional)
 
 
 @pytest.fixture(scope="module")
-def engine(demo_state, h):
-    assert h.SERIAL == SERIAL
-    return h.make_engine(demo_state)
+def engine(demo_state):
+    return make_engine(demo_state)
 
 
 @pytest.mark.parametrize("qname,qtype,rcode,answer,authority,additional", DEMO,
                          ids=[f"{c[0]}/{c[1]}" for c in DEMO])
-def test_demo(engine, h, qname, qtype, rcode, answer, authority, additional):
-    check(h.ask(engine, qname, qtype), h, rcode, answer, authority, additional)
+def test_demo(engine, qname, qtype, rcode, answer, authority, additional):
+    check(ask(engine, qname, qtype), rcode, answer, authority, additional)
 
 
-def test_demo_over_tcp_and_with_edns(engine, h):
+def test_demo_over_tcp_and_with_edns(engine):
     for kw in ({"tcp": True}, {"use_edns": 0}, {"use_edns": 0, "want_dnssec": True}):
-        m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", "A", **kw)
-        assert h.lines(m.answer) == a(f"testapp-svc.testapp.{CL}", "172.20.36.232")
+        m = ask(engine, "testapp-svc.testapp.svc.cluster.local", "A", **kw)
+        assert lines(m.answer) == a(f"testapp-svc.testapp.{CL}", "172.20.36.232")
 
 
 # --- options -------------------------------------------------------------------------------
@@ -270,31 +268,31 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize("options,cases", OPTIONS, ids=[",".join(o) + str(list(o.values())) for o, _ in OPTIONS])
-def test_options(demo_state, h, options, cases):
-    engine = h.make_engine(demo_state, **options)
+def test_options(demo_state, options, cases):
+    engine = make_engine(demo_state, **options)
     for qname, qtype, rcode, answer, authority, additional in cases:
-        check(h.ask(engine, qname, qtype), h, rcode, answer, authority, additional)
+        check(ask(engine, qname, qtype), rcode, answer, authority, additional)
 
 
-def test_ignore_empty_service(h):
-    state = h.make_state([
+def test_ignore_empty_service():
+    state = make_state([
         ("Namespace", Namespace("ns")),
         ("Service", Service("ns", "empty", cluster_ips=("10.0.0.1",), ports=(ServicePort("http", "TCP", 80),))),
         ("EndpointSlice", EndpointSlice("ns", "empty-1", "empty", endpoints=(Endpoint(("10.1.0.1",), ready=False),))),
         ("Service", Service("ns", "full", cluster_ips=("10.0.0.2",))),
         ("EndpointSlice", EndpointSlice("ns", "full-1", "full", endpoints=(Endpoint(("10.1.0.2",)),))),
     ])
-    plain = h.make_engine(state)
-    assert h.lines(h.ask(plain, "empty.ns.svc.cluster.local").answer) == a(f"empty.ns.{CL}", "10.0.0.1")
-    engine = h.make_engine(state, ignore_empty_service=True)
-    m = h.ask(engine, "empty.ns.svc.cluster.local")
+    plain = make_engine(state)
+    assert lines(ask(plain, "empty.ns.svc.cluster.local").answer) == a(f"empty.ns.{CL}", "10.0.0.1")
+    engine = make_engine(state, ignore_empty_service=True)
+    m = ask(engine, "empty.ns.svc.cluster.local")
     assert m.rcode() == dns.rcode.NXDOMAIN
-    assert h.ask(engine, "_http._tcp.empty.ns.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
-    assert h.lines(h.ask(engine, "full.ns.svc.cluster.local").answer) == a(f"full.ns.{CL}", "10.0.0.2")
+    assert ask(engine, "_http._tcp.empty.ns.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
+    assert lines(ask(engine, "full.ns.svc.cluster.local").answer) == a(f"full.ns.{CL}", "10.0.0.2")
 
 
-def test_headless_merges_slices_dedups_and_families(h):
-    state = h.make_state([
+def test_headless_merges_slices_dedups_and_families():
+    state = make_state([
         ("Service", Service("ns", "hl", headless=True)),
         ("EndpointSlice", EndpointSlice("ns", "hl-a", "hl", endpoints=(
             Endpoint(("10.1.0.1",)), Endpoint(("10.1.0.2",), hostname="two"), Endpoint(("10.1.0.9",), ready=False)),
@@ -310,58 +308,58 @@ def test_headless_merges_slices_dedups_and_families(h):
         ("EndpointSlice", EndpointSlice("ns", "v6only-a", "v6only", address_type="IPv6",
                                         endpoints=(Endpoint(("fd00::2",)),))),
     ])
-    engine = h.make_engine(state)
-    assert h.lines(h.ask(engine, "hl.ns.svc.cluster.local").answer) == sorted(
+    engine = make_engine(state)
+    assert lines(ask(engine, "hl.ns.svc.cluster.local").answer) == sorted(
         a(f"hl.ns.{CL}", "10.1.0.1", "10.1.0.2", "10.1.0.3"))
-    assert h.lines(h.ask(engine, "hl.ns.svc.cluster.local", "AAAA").answer) == a(f"hl.ns.{CL}", "fd00::1")
-    m = h.ask(engine, "_http._tcp.hl.ns.svc.cluster.local", "SRV")
+    assert lines(ask(engine, "hl.ns.svc.cluster.local", "AAAA").answer) == a(f"hl.ns.{CL}", "fd00::1")
+    m = ask(engine, "_http._tcp.hl.ns.svc.cluster.local", "SRV")
     # 4 (endpoint, port) matches before de-duplication: weight 25; 10.1.0.1 collapses to one SRV
-    assert h.lines(m.answer) == sorted(
+    assert lines(m.answer) == sorted(
         f"_http._tcp.hl.ns.{CL} 5 in srv 0 25 8080 {n}.hl.ns.{CL}" for n in ("10-1-0-1", "two", "10-1-0-3"))
-    assert h.lines(m.additional) == sorted(
+    assert lines(m.additional) == sorted(
         a(f"10-1-0-1.hl.ns.{CL}", "10.1.0.1") + a(f"two.hl.ns.{CL}", "10.1.0.2") + a(f"10-1-0-3.hl.ns.{CL}",
                                                                                       "10.1.0.3"))
-    assert h.ask(engine, "none.ns.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
-    assert h.ask(engine, "none.ns.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
-    m = h.ask(engine, "v6only.ns.svc.cluster.local")
+    assert ask(engine, "none.ns.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    assert ask(engine, "none.ns.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
+    m = ask(engine, "v6only.ns.svc.cluster.local")
     assert m.rcode() == dns.rcode.NOERROR and not m.answer
     # an endpoint hostname shared by several endpoints returns them all
-    state2 = h.make_state([
+    state2 = make_state([
         ("Service", Service("ns", "hl", headless=True)),
         ("EndpointSlice", EndpointSlice("ns", "hl-a", "hl", endpoints=(
             Endpoint(("10.1.0.1",), hostname="db"), Endpoint(("10.1.0.2",), hostname="db")))),
     ])
-    engine = h.make_engine(state2)
-    assert h.lines(h.ask(engine, "db.hl.ns.svc.cluster.local").answer) == sorted(
+    engine = make_engine(state2)
+    assert lines(ask(engine, "db.hl.ns.svc.cluster.local").answer) == sorted(
         a(f"db.hl.ns.{CL}", "10.1.0.1", "10.1.0.2"))
 
 
-def test_ns_and_ns_dns(demo_state, h):
+def test_ns_and_ns_dns(demo_state):
     # the server is one of kube-dns's endpoints: NS names kube-dns, glue its ClusterIP
-    engine = h.make_engine(demo_state, server_addresses=lambda: ["127.0.0.1", "10.161.0.2"])
-    m = h.ask(engine, "cluster.local", "NS")
-    assert h.lines(m.answer) == [f"cluster.local. 5 in ns kube-dns.kube-system.{CL}"]
-    assert h.lines(m.additional) == a(f"kube-dns.kube-system.{CL}", "172.20.0.10")
+    engine = make_engine(demo_state, server_addresses=lambda: ["127.0.0.1", "10.161.0.2"])
+    m = ask(engine, "cluster.local", "NS")
+    assert lines(m.answer) == [f"cluster.local. 5 in ns kube-dns.kube-system.{CL}"]
+    assert lines(m.additional) == a(f"kube-dns.kube-system.{CL}", "172.20.0.10")
     # not an endpoint of any service: ns.dns.<zone> with the server's addresses as glue
-    engine = h.make_engine(demo_state, server_addresses=lambda: ["192.0.2.53", "127.0.0.1"])
-    m = h.ask(engine, "cluster.local", "NS")
-    assert h.lines(m.answer) == ["cluster.local. 5 in ns ns.dns.cluster.local."]
-    assert h.lines(m.additional) == a("ns.dns.cluster.local.", "192.0.2.53")
-    assert h.lines(h.ask(engine, "ns.dns.cluster.local").answer) == a("ns.dns.cluster.local.", "192.0.2.53")
-    m = h.ask(engine, "dns.cluster.local")
+    engine = make_engine(demo_state, server_addresses=lambda: ["192.0.2.53", "127.0.0.1"])
+    m = ask(engine, "cluster.local", "NS")
+    assert lines(m.answer) == ["cluster.local. 5 in ns ns.dns.cluster.local."]
+    assert lines(m.additional) == a("ns.dns.cluster.local.", "192.0.2.53")
+    assert lines(ask(engine, "ns.dns.cluster.local").answer) == a("ns.dns.cluster.local.", "192.0.2.53")
+    m = ask(engine, "dns.cluster.local")
     assert m.rcode() == dns.rcode.NOERROR and not m.answer
-    m = h.ask(engine, "in-addr.arpa", "NS")
-    assert h.lines(m.answer) == ["in-addr.arpa. 5 in ns ns.dns.cluster.local."]
+    m = ask(engine, "in-addr.arpa", "NS")
+    assert lines(m.answer) == ["in-addr.arpa. 5 in ns ns.dns.cluster.local."]
 
 
 # --- not synced ----------------------------------------------------------------------------
 
-def test_servfail_until_synced(h, demo_records):
-    engine = h.make_engine(None)
+def test_servfail_until_synced(demo_records):
+    engine = make_engine(None)
     assert not engine.synced
-    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
+    m = ask(engine, "testapp-svc.testapp.svc.cluster.local")
     assert m.rcode() == dns.rcode.SERVFAIL and m.flags & dns.flags.AA
-    assert h.lines(m.authority) == [soa().replace(str(SERIAL), "0")]
+    assert lines(m.authority) == [soa().replace(str(SERIAL), "0")]
     # Services listed, EndpointSlices not yet: found names answer, missing ones SERVFAIL
     from clusterdns.state import StateStore
     store = StateStore(clock=lambda: SERIAL - 1)
@@ -371,44 +369,44 @@ def test_servfail_until_synced(h, demo_records):
         store.replace("EndpointSlice", [], synced=False)
     engine.update(store.current)
     assert not engine.synced
-    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
-    assert h.lines(m.answer) == a(f"testapp-svc.testapp.{CL}", "172.20.36.232")
-    assert h.ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.SERVFAIL
-    assert engine.fast(h.query_wire("nope.testapp.svc.cluster.local"), False) is None
+    m = ask(engine, "testapp-svc.testapp.svc.cluster.local")
+    assert lines(m.answer) == a(f"testapp-svc.testapp.{CL}", "172.20.36.232")
+    assert ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.SERVFAIL
+    assert engine.fast(query_wire("nope.testapp.svc.cluster.local"), False) is None
     store.mark_synced("EndpointSlice")
     engine.update(store.current)
     assert engine.synced
-    assert h.ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    assert ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
 
 
-def test_a_new_service_resolves_at_once(h, demo_records):
+def test_a_new_service_resolves_at_once(demo_records):
     from clusterdns.sources.manifest import publish
     from clusterdns.state import StateStore
     store = StateStore()
     publish(store, demo_records)
-    engine = h.make_engine(store.current)
-    assert h.ask(engine, "new.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN   # memoised
+    engine = make_engine(store.current)
+    assert ask(engine, "new.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN   # memoised
     store.upsert("Service", Service("testapp", "new", cluster_ips=("172.20.99.9",)))
     engine.update(store.current)
-    assert h.lines(h.ask(engine, "new.testapp.svc.cluster.local").answer) == a(f"new.testapp.{CL}", "172.20.99.9")
+    assert lines(ask(engine, "new.testapp.svc.cluster.local").answer) == a(f"new.testapp.{CL}", "172.20.99.9")
 
 
-def test_prebuilt_answers_survive_unrelated_changes(h, demo_records):
+def test_prebuilt_answers_survive_unrelated_changes(demo_records):
     from dataclasses import replace as dc_replace
 
     from clusterdns.sources.manifest import publish
     from clusterdns.state import StateStore
     store = StateStore()
     publish(store, demo_records)
-    engine = h.make_engine(store.current, namespace_labels="kubernetes.io/metadata.name")
-    kept = [h.query_wire(name, qtype) for name, qtype in (
+    engine = make_engine(store.current, namespace_labels="kubernetes.io/metadata.name")
+    kept = [query_wire(name, qtype) for name, qtype in (
         ("testapp-svc.testapp.svc.cluster.local", "A"), ("web-0.testapp-headless.testapp.svc.cluster.local", "A"),
         ("_http._tcp.multiport.testapp.svc.cluster.local", "SRV"), ("external-db.testapp.svc.cluster.local", "CNAME"))]
-    nodata = h.query_wire("testapp-svc.testapp.svc.cluster.local", "AAAA")
-    kube_dns = h.query_wire("kube-dns.kube-system.svc.cluster.local", "A")
-    before = [h.ask_wire(engine, w) for w in kept]
-    h.ask_wire(engine, nodata)
-    h.ask_wire(engine, kube_dns)
+    nodata = query_wire("testapp-svc.testapp.svc.cluster.local", "AAAA")
+    kube_dns = query_wire("kube-dns.kube-system.svc.cluster.local", "A")
+    before = [ask_wire(engine, w) for w in kept]
+    ask_wire(engine, nodata)
+    ask_wire(engine, kube_dns)
     # another Service changes: positive answers of untouched Services stay prebuilt
     svc = store.current.services[("testapp", "testapp2-svc")]
     store.upsert("Service", dc_replace(svc, cluster_ips=("172.20.41.99",)))
@@ -423,15 +421,15 @@ def test_prebuilt_answers_survive_unrelated_changes(h, demo_records):
     store.upsert("Service", dc_replace(dns_svc, cluster_ips=("172.20.0.11",)))
     engine.update(store.current)
     assert engine._carry(engine.view, kube_dns[12:-4].lower() + kube_dns[-4:-2]) is None
-    assert h.lines(dns.message.from_wire(engine.fast(kube_dns, False)).answer) == a(
+    assert lines(dns.message.from_wire(engine.fast(kube_dns, False)).answer) == a(
         f"kube-dns.kube-system.{CL}", "172.20.0.11")
-    assert h.lines(h.ask(engine, "kube-dns.kube-system.svc.cluster.local").answer) == a(
+    assert lines(ask(engine, "kube-dns.kube-system.svc.cluster.local").answer) == a(
         f"kube-dns.kube-system.{CL}", "172.20.0.11")
     # its namespace stops matching --namespace-labels: the unchanged Service is no longer served
     store.upsert("Namespace", Namespace("testapp", ()))
     engine.update(store.current)
     assert dns.message.from_wire(engine.fast(kept[0], False)).rcode() == dns.rcode.NXDOMAIN
-    assert h.ask(engine, "testapp-svc.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    assert ask(engine, "testapp-svc.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
 
 
 # --- wire ----------------------------------------------------------------------------------
@@ -440,12 +438,12 @@ def resolve(engine, wire: bytes, tcp: bool = False, client: str = "10.161.37.5")
     return asyncio.run(engine.resolve(wire, client, tcp))
 
 
-def test_question_echoed_exactly_and_case_kept(engine, h):
+def test_question_echoed_exactly_and_case_kept(engine):
     q = dns.message.make_query("TestApp-SVC.testapp.SVC.Cluster.Local", "A")
     q.id = 4242
     q.flags |= dns.flags.CD
     wire = q.to_wire()
-    reply = h.ask_wire(engine, wire)
+    reply = ask_wire(engine, wire)
     qlen = len(wire) - 12
     assert reply[:2] == wire[:2]
     assert reply[12:12 + qlen] == wire[12:]
@@ -454,16 +452,16 @@ def test_question_echoed_exactly_and_case_kept(engine, h):
     assert m.answer[0].name.to_text() == "TestApp-SVC.testapp.SVC.Cluster.Local."
 
 
-def test_edns_echo_payload_and_do(engine, h):
-    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, payload=4096, want_dnssec=True)
+def test_edns_echo_payload_and_do(engine):
+    m = ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, payload=4096, want_dnssec=True)
     assert m.edns == 0 and m.payload == 1232 and m.ednsflags & dns.flags.DO
-    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, payload=512)
+    m = ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, payload=512)
     assert m.edns == 0 and m.payload == 1232 and not m.ednsflags & dns.flags.DO
-    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local")
+    m = ask(engine, "testapp-svc.testapp.svc.cluster.local")
     assert m.edns == -1
     # an EDNS option (cookie) is ignored: same answer, no option echoed
     opt = dns.edns.GenericOption(10, b"\x01" * 8)
-    m = h.ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, options=[opt])
+    m = ask(engine, "testapp-svc.testapp.svc.cluster.local", use_edns=0, options=[opt])
     assert m.edns == 0 and not m.options and len(m.answer) == 1
 
 
@@ -496,12 +494,12 @@ def dig_query_bytes(*args: str) -> bytes:
                                   ("+dnssec", "TestApp-Svc.testapp.svc.cluster.local", "SRV"),
                                   ("nope.testapp.svc.cluster.local",),
                                   ("+bufsize=512", "testapp-headless.testapp.svc.cluster.local")])
-def test_dig_default_cookie_query_takes_the_fast_path(engine, h, args):
+def test_dig_default_cookie_query_takes_the_fast_path(engine, args):
     wire = dig_query_bytes(*args)
     plain = strip_options(wire)
     assert len(wire) > len(plain)                    # dig did send an option (its COOKIE)
-    first = h.ask_wire(engine, wire)                 # resolve() answers it; fast() agrees byte for byte
-    assert first == h.ask_wire(engine, plain)        # the option changes nothing in the answer
+    first = ask_wire(engine, wire)                 # resolve() answers it; fast() agrees byte for byte
+    assert first == ask_wire(engine, plain)        # the option changes nothing in the answer
     assert engine.fast(wire, False) == first         # and it is answered on the fast path
     m = dns.message.from_wire(first)
     assert m.edns == 0 and not m.options
@@ -512,30 +510,30 @@ def test_dig_default_cookie_query_takes_the_fast_path(engine, h, args):
     b"\x00\x0a\x00",                                    # a partial option header
     b"\x00\x0a\x00\x02\x01\x02\x00\x0b",                # a second, partial option
 ])
-def test_malformed_edns_options_are_not_taken_on_the_fast_path(engine, h, optdata):
-    base = h.query_wire("testapp-svc.testapp.svc.cluster.local", use_edns=0)
+def test_malformed_edns_options_are_not_taken_on_the_fast_path(engine, optdata):
+    base = query_wire("testapp-svc.testapp.svc.cluster.local", use_edns=0)
     wire = base[:-2] + struct.pack(">H", len(optdata)) + optdata
     assert engine.fast(wire, False) is None
     reply = resolve(engine, wire)
     assert reply is None or (reply[3] & 0xF) in (dns.rcode.NOERROR, dns.rcode.FORMERR)
 
 
-def test_two_well_formed_options_are_ignored(engine, h):
+def test_two_well_formed_options_are_ignored(engine):
     opts = [dns.edns.GenericOption(10, b"\x01" * 8), dns.edns.GenericOption(65001, b"")]
-    wire = h.query_wire("testapp-svc.testapp.svc.cluster.local", use_edns=0, options=opts)
+    wire = query_wire("testapp-svc.testapp.svc.cluster.local", use_edns=0, options=opts)
     assert engine.fast(wire, False) is not None
-    assert h.ask_wire(engine, wire) == h.ask_wire(engine, strip_options(wire))
+    assert ask_wire(engine, wire) == ask_wire(engine, strip_options(wire))
 
 
-def test_badvers(engine, h):
+def test_badvers(engine):
     wire = dns.message.make_query("testapp-svc.testapp.svc.cluster.local", "A", use_edns=1).to_wire()
     assert engine.fast(wire, False) is None
     m = dns.message.from_wire(resolve(engine, wire))
     assert m.rcode() == dns.rcode.BADVERS and m.edns == 0 and not m.answer
 
 
-def big_headless(h, n=40):
-    return h.make_state([
+def big_headless(n=40):
+    return make_state([
         ("Service", Service("ns", "big", headless=True)),
         ("EndpointSlice", EndpointSlice("ns", "big-1", "big", endpoints=tuple(
             Endpoint((f"10.3.{i // 250}.{i % 250 + 1}",)) for i in range(n)))),
@@ -550,10 +548,10 @@ def big_headless(h, n=40):
     ({"use_edns": 0, "payload": 4096}, False, 1232, True),
     ({}, True, 65535, True),
 ])
-def test_truncation_40_records(h, kw, tcp, limit, full):
-    engine = h.make_engine(big_headless(h))
-    wire = h.query_wire("big.ns.svc.cluster.local", "A", **kw)
-    reply = h.ask_wire(engine, wire, tcp=tcp)
+def test_truncation_40_records(kw, tcp, limit, full):
+    engine = make_engine(big_headless())
+    wire = query_wire("big.ns.svc.cluster.local", "A", **kw)
+    reply = ask_wire(engine, wire, tcp=tcp)
     assert len(reply) <= limit
     m = dns.message.from_wire(reply)
     n = sum(len(r) for r in m.answer)
@@ -565,27 +563,27 @@ def test_truncation_40_records(h, kw, tcp, limit, full):
     assert (m.edns == 0) == ("use_edns" in kw)
 
 
-def test_udp_never_exceeds_1232(h):
-    engine = h.make_engine(big_headless(h, 200))
-    reply = h.ask_wire(engine, h.query_wire("big.ns.svc.cluster.local", "A", use_edns=0, payload=65000))
+def test_udp_never_exceeds_1232():
+    engine = make_engine(big_headless(200))
+    reply = ask_wire(engine, query_wire("big.ns.svc.cluster.local", "A", use_edns=0, payload=65000))
     m = dns.message.from_wire(reply)
     assert len(reply) <= 1232 and m.flags & dns.flags.TC and m.payload == 1232
-    reply = h.ask_wire(engine, h.query_wire("big.ns.svc.cluster.local", "A"), tcp=True)
+    reply = ask_wire(engine, query_wire("big.ns.svc.cluster.local", "A"), tcp=True)
     assert sum(len(r) for r in dns.message.from_wire(reply).answer) == 200
 
 
 @pytest.mark.parametrize("n,qtype", [(2, "A"), (3, "A"), (10, "A"), (40, "A"), (9, "AAAA")])
-def test_rotations_by_reordering_equal_packing_each_rotation(h, n, qtype):
+def test_rotations_by_reordering_equal_packing_each_rotation(n, qtype):
     from clusterdns.dns import names
     from clusterdns.dns.wire import pack_body, rotations
     v6 = qtype == "AAAA"
-    state = h.make_state([
+    state = make_state([
         ("Service", Service("ns", "big", headless=True)),
         ("EndpointSlice", EndpointSlice("ns", "big-1", "big", address_type="IPv6" if v6 else "IPv4",
                                         endpoints=tuple(Endpoint((f"fd00::{i + 1:x}" if v6 else f"10.3.0.{i + 1}",))
                                                         for i in range(n)))),
     ])
-    engine = h.make_engine(state)
+    engine = make_engine(state)
     raw = (b"Big", b"ns", b"svc", b"cluster", b"local")
     ans = engine.view.lookup(names.split_name("big.ns.svc.cluster.local"), getattr(QTYPE, qtype))
     entry = engine._entry_for(raw, ans)
@@ -596,12 +594,12 @@ def test_rotations_by_reordering_equal_packing_each_rotation(h, n, qtype):
         (b.data, b.ends, b.an, b.ns, b.ar) for b in expected]
 
 
-def test_packing_equals_dnslibs_own_encoder(demo_state, h):
+def test_packing_equals_dnslibs_own_encoder(demo_state):
     """wire._Buffer compresses names as dnslib's DNSBuffer does (below 16 KiB, where they agree)."""
     from dnslib.label import DNSBuffer
 
     from clusterdns.dns import names, wire
-    engine = h.make_engine(demo_state, server_addresses=lambda: ["10.161.0.2"])
+    engine = make_engine(demo_state, server_addresses=lambda: ["10.161.0.2"])
     ours_buffer = wire._Buffer
     compared = 0
     for qname, qtype, *_ in DEMO:
@@ -621,13 +619,13 @@ def test_packing_equals_dnslibs_own_encoder(demo_state, h):
     assert compared > 40
 
 
-def test_loadbalance_rotates_addresses(h):
-    engine = h.make_engine(big_headless(h, 10))
+def test_loadbalance_rotates_addresses():
+    engine = make_engine(big_headless(10))
     firsts, sets = set(), set()
     for qid in range(16):
         q = dns.message.make_query("big.ns.svc.cluster.local", "A")
         q.id = qid
-        m = dns.message.from_wire(h.ask_wire(engine, q.to_wire()))
+        m = dns.message.from_wire(ask_wire(engine, q.to_wire()))
         rrs = [r.to_text() for r in m.answer[0]]
         firsts.add(rrs[0])
         sets.add(frozenset(rrs))
@@ -652,7 +650,7 @@ QUESTION = b"\x0btestapp-svc\x07testapp\x03svc\x07cluster\x05local\x00\x00\x01\x
     (header(an=1) + QUESTION, dns.rcode.FORMERR, 0),                             # promised record missing
     (header() + b"\xc0\x0c\x00\x01\x00\x01", dns.rcode.FORMERR, 0),              # pointer in the question
 ])
-def test_error_replies(engine, h, wire, rcode, qd):
+def test_error_replies(engine, wire, rcode, qd):
     reply = resolve(engine, wire)
     assert engine.fast(wire, False) is None
     qid, flags, qdcount, an, ns, ar = struct.unpack_from(">HHHHHH", reply)
@@ -701,50 +699,50 @@ UPSTREAM = {
 }
 
 
-def test_out_of_zone_forwarded(demo_state, h):
+def test_out_of_zone_forwarded(demo_state):
     fwd = FakeForwarder(UPSTREAM)
-    engine = h.make_engine(demo_state, forwarder=fwd)
+    engine = make_engine(demo_state, forwarder=fwd)
     q = dns.message.make_query("Example.COM", "A", use_edns=0)
     q.id = 999
     reply = resolve(engine, q.to_wire())
     m = dns.message.from_wire(reply)
     assert m.id == 999 and m.question[0].name.to_text() == "Example.COM."
     assert m.flags & dns.flags.RA and not m.flags & dns.flags.AA and m.rcode() == dns.rcode.NOERROR
-    assert h.lines(m.answer) == ["example.com. 300 in a 93.184.215.14"]
+    assert lines(m.answer) == ["example.com. 300 in a 93.184.215.14"]
     assert m.edns == 0 and m.payload == 1232
     assert fwd.calls == [("example.com.", "A", False)]
-    m = dns.message.from_wire(resolve(engine, h.query_wire("missing.example.org"), tcp=True))
+    m = dns.message.from_wire(resolve(engine, query_wire("missing.example.org"), tcp=True))
     assert m.rcode() == dns.rcode.NXDOMAIN and fwd.calls[-1] == ("missing.example.org.", "A", True)
-    assert engine.fast(h.query_wire("example.com"), False) is None    # never memoised
+    assert engine.fast(query_wire("example.com"), False) is None    # never memoised
 
 
-def test_out_of_zone_refused_or_servfail(demo_state, h):
-    for engine in (h.make_engine(demo_state), h.make_engine(demo_state, forwarder=FakeForwarder(), no_upstream=True)):
-        m = dns.message.from_wire(resolve(engine, h.query_wire("example.com")))
+def test_out_of_zone_refused_or_servfail(demo_state):
+    for engine in (make_engine(demo_state), make_engine(demo_state, forwarder=FakeForwarder(), no_upstream=True)):
+        m = dns.message.from_wire(resolve(engine, query_wire("example.com")))
         assert m.rcode() == dns.rcode.REFUSED and len(m.question) == 1
-    engine = h.make_engine(demo_state, forwarder=FakeForwarder(down=True))
-    m = dns.message.from_wire(resolve(engine, h.query_wire("example.com")))
+    engine = make_engine(demo_state, forwarder=FakeForwarder(down=True))
+    m = dns.message.from_wire(resolve(engine, query_wire("example.com")))
     assert m.rcode() == dns.rcode.SERVFAIL
 
 
-def test_external_name_chased_upstream(demo_state, h):
+def test_external_name_chased_upstream(demo_state):
     fwd = FakeForwarder(UPSTREAM)
-    engine = h.make_engine(demo_state, forwarder=fwd)
-    m = dns.message.from_wire(resolve(engine, h.query_wire("external-db.testapp.svc.cluster.local")))
+    engine = make_engine(demo_state, forwarder=fwd)
+    m = dns.message.from_wire(resolve(engine, query_wire("external-db.testapp.svc.cluster.local")))
     assert m.rcode() == dns.rcode.NOERROR and m.flags & dns.flags.AA
     assert m.flags & dns.flags.TC, "the upstream's TC is passed on"
     assert m.answer[0].rdtype == dns.rdatatype.CNAME, "the CNAME comes first"
-    assert h.lines(m.answer) == sorted([f"external-db.testapp.{CL} 5 in cname db.example.com.",
+    assert lines(m.answer) == sorted([f"external-db.testapp.{CL} 5 in cname db.example.com.",
                                         "db.example.com. 60 in a 192.0.2.7", "db.example.com. 60 in a 192.0.2.8"])
-    m = dns.message.from_wire(resolve(engine, h.query_wire("external-db.testapp.svc.cluster.local", "AAAA")))
-    assert h.lines(m.answer) == [f"external-db.testapp.{CL} 5 in cname db.example.com."]
-    engine = h.make_engine(demo_state, forwarder=FakeForwarder(down=True))
-    m = dns.message.from_wire(resolve(engine, h.query_wire("external-db.testapp.svc.cluster.local")))
+    m = dns.message.from_wire(resolve(engine, query_wire("external-db.testapp.svc.cluster.local", "AAAA")))
+    assert lines(m.answer) == [f"external-db.testapp.{CL} 5 in cname db.example.com."]
+    engine = make_engine(demo_state, forwarder=FakeForwarder(down=True))
+    m = dns.message.from_wire(resolve(engine, query_wire("external-db.testapp.svc.cluster.local")))
     assert m.rcode() == dns.rcode.SERVFAIL
 
 
-def test_external_name_in_zone_chase_and_loops(h):
-    state = h.make_state([
+def test_external_name_in_zone_chase_and_loops():
+    state = make_state([
         ("Service", Service("ns", "alias", type="ExternalName", external_name="real.ns.svc.cluster.local")),
         ("Service", Service("ns", "real", cluster_ips=("10.0.0.5",))),
         ("Service", Service("ns", "ghost", type="ExternalName", external_name="missing.ns.svc.cluster.local")),
@@ -752,55 +750,55 @@ def test_external_name_in_zone_chase_and_loops(h):
         ("Service", Service("ns", "loop2", type="ExternalName", external_name="loop1.ns.svc.cluster.local")),
     ])
     fwd = FakeForwarder()
-    engine = h.make_engine(state, forwarder=fwd)
-    m = h.ask(engine, "alias.ns.svc.cluster.local")
+    engine = make_engine(state, forwarder=fwd)
+    m = ask(engine, "alias.ns.svc.cluster.local")
     assert [r.to_text().lower() for r in m.answer] == [
         f"alias.ns.{CL} 5 in cname real.ns.{CL}", f"real.ns.{CL} 5 in a 10.0.0.5"]
-    m = h.ask(engine, "ghost.ns.svc.cluster.local")
-    assert m.rcode() == dns.rcode.NOERROR and h.lines(m.answer) == [f"ghost.ns.{CL} 5 in cname missing.ns.{CL}"]
-    m = h.ask(engine, "loop1.ns.svc.cluster.local")
-    assert h.lines(m.answer) == sorted([f"loop1.ns.{CL} 5 in cname loop2.ns.{CL}",
+    m = ask(engine, "ghost.ns.svc.cluster.local")
+    assert m.rcode() == dns.rcode.NOERROR and lines(m.answer) == [f"ghost.ns.{CL} 5 in cname missing.ns.{CL}"]
+    m = ask(engine, "loop1.ns.svc.cluster.local")
+    assert lines(m.answer) == sorted([f"loop1.ns.{CL} 5 in cname loop2.ns.{CL}",
                                         f"loop2.ns.{CL} 5 in cname loop1.ns.{CL}"])
     assert fwd.calls == []
 
 
-def test_unusable_names_are_not_served(h):
-    state = h.make_state([
+def test_unusable_names_are_not_served():
+    state = make_state([
         ("Service", Service("ns", "bad1", type="ExternalName", external_name="a..b")),
         ("Service", Service("ns", "bad2", type="ExternalName", external_name="x" * 70 + ".example.com")),
         ("Service", Service("ns", "hl", headless=True)),
         ("EndpointSlice", EndpointSlice("ns", "hl-1", "hl", endpoints=(Endpoint(("10.1.0.1",), hostname="h" * 70),))),
     ])
-    engine = h.make_engine(state)
+    engine = make_engine(state)
     for name in ("bad1", "bad2"):
-        assert h.ask(engine, f"{name}.ns.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+        assert ask(engine, f"{name}.ns.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
     # an over-long hostname falls back to the dashed address
-    assert h.lines(h.ask(engine, "10-1-0-1.hl.ns.svc.cluster.local").answer) == a(f"10-1-0-1.hl.ns.{CL}", "10.1.0.1")
+    assert lines(ask(engine, "10-1-0-1.hl.ns.svc.cluster.local").answer) == a(f"10-1-0-1.hl.ns.{CL}", "10.1.0.1")
 
 
-def test_fallthrough(demo_state, h):
+def test_fallthrough(demo_state):
     fwd = FakeForwarder({("9.9.9.9.in-addr.arpa.", "PTR"): (0, ["9.9.9.9.in-addr.arpa. 60 IN PTR dns9.example."],
                                                            False)})
-    engine = h.make_engine(demo_state, forwarder=fwd, fallthrough=("in-addr.arpa", "ip6.arpa"))
-    m = dns.message.from_wire(resolve(engine, h.query_wire("9.9.9.9.in-addr.arpa", "PTR")))
-    assert h.lines(m.answer) == ["9.9.9.9.in-addr.arpa. 60 in ptr dns9.example."] and not m.flags & dns.flags.AA
+    engine = make_engine(demo_state, forwarder=fwd, fallthrough=("in-addr.arpa", "ip6.arpa"))
+    m = dns.message.from_wire(resolve(engine, query_wire("9.9.9.9.in-addr.arpa", "PTR")))
+    assert lines(m.answer) == ["9.9.9.9.in-addr.arpa. 60 in ptr dns9.example."] and not m.flags & dns.flags.AA
     # a name found, or NODATA, never falls through; cluster.local is not listed
-    assert h.lines(h.ask(engine, "232.36.20.172.in-addr.arpa", "PTR").answer)
-    assert h.ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    assert lines(ask(engine, "232.36.20.172.in-addr.arpa", "PTR").answer)
+    assert ask(engine, "nope.testapp.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
     assert [c[0] for c in fwd.calls] == ["9.9.9.9.in-addr.arpa."]
-    engine = h.make_engine(demo_state, forwarder=fwd, fallthrough=())
-    m = dns.message.from_wire(resolve(engine, h.query_wire("nope.testapp.svc.cluster.local")))
+    engine = make_engine(demo_state, forwarder=fwd, fallthrough=())
+    m = dns.message.from_wire(resolve(engine, query_wire("nope.testapp.svc.cluster.local")))
     assert m.rcode() == dns.rcode.NXDOMAIN and not m.flags & dns.flags.AA     # the upstream's answer
     assert fwd.calls[-1][0] == "nope.testapp.svc.cluster.local."
 
 
 # --- autopath ----------------------------------------------------------------------------------
 
-def test_autopath(demo_state, h):
+def test_autopath(demo_state):
     fwd = FakeForwarder(UPSTREAM)
-    engine = h.make_engine(demo_state, forwarder=fwd, autopath=True, resolv_conf="/nonexistent")
+    engine = make_engine(demo_state, forwarder=fwd, autopath=True, resolv_conf="/nonexistent")
     client = "10.161.37.5"   # pod testapp/client
-    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local"),
+    m = dns.message.from_wire(resolve(engine, query_wire("kube-dns.kube-system.testapp.svc.cluster.local"),
                                       client=client))
     assert m.rcode() == dns.rcode.NOERROR and m.question[0].name.to_text() == \
         "kube-dns.kube-system.testapp.svc.cluster.local."
@@ -808,36 +806,36 @@ def test_autopath(demo_state, h):
         f"kube-dns.kube-system.testapp.{CL} 5 in cname kube-dns.kube-system.{CL}",
         f"kube-dns.kube-system.{CL} 5 in a 172.20.0.10"]
     # out of the cluster: base. through the upstream, TTL of the CNAME from the first record
-    m = dns.message.from_wire(resolve(engine, h.query_wire("example.com.testapp.svc.cluster.local"), client=client))
+    m = dns.message.from_wire(resolve(engine, query_wire("example.com.testapp.svc.cluster.local"), client=client))
     assert [r.to_text().lower() for r in m.answer] == [
         f"example.com.testapp.{CL} 300 in cname example.com.", "example.com. 300 in a 93.184.215.14"]
     # NODATA stops the walk, without a CNAME
-    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local",
+    m = dns.message.from_wire(resolve(engine, query_wire("kube-dns.kube-system.testapp.svc.cluster.local",
                                                           "AAAA"), client=client))
-    assert m.rcode() == dns.rcode.NOERROR and not m.answer and h.lines(m.authority) == [SOA]
+    assert m.rcode() == dns.rcode.NOERROR and not m.answer and lines(m.authority) == [SOA]
     # nothing found anywhere: the original NXDOMAIN
-    m = dns.message.from_wire(resolve(engine, h.query_wire("nothing.testapp.svc.cluster.local"), client=client))
+    m = dns.message.from_wire(resolve(engine, query_wire("nothing.testapp.svc.cluster.local"), client=client))
     assert m.rcode() == dns.rcode.NXDOMAIN
     # an unknown client, or a name outside its first search domain: no autopath
-    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local"),
+    m = dns.message.from_wire(resolve(engine, query_wire("kube-dns.kube-system.testapp.svc.cluster.local"),
                                       client="192.0.2.1"))
     assert m.rcode() == dns.rcode.NXDOMAIN
-    m = dns.message.from_wire(resolve(engine, h.query_wire("kube-dns.kube-system.default.svc.cluster.local"),
+    m = dns.message.from_wire(resolve(engine, query_wire("kube-dns.kube-system.default.svc.cluster.local"),
                                       client=client))
     assert m.rcode() == dns.rcode.NXDOMAIN
     # such NXDOMAINs are per client: never taken by the fast path
-    assert engine.fast(h.query_wire("kube-dns.kube-system.testapp.svc.cluster.local"), False) is None
+    assert engine.fast(query_wire("kube-dns.kube-system.testapp.svc.cluster.local"), False) is None
 
 
 # --- zone transfer ---------------------------------------------------------------------------
 
-def test_transfer(demo_state, h):
-    wire = h.query_wire("cluster.local", "AXFR")
-    plain = h.make_engine(demo_state)
+def test_transfer(demo_state):
+    wire = query_wire("cluster.local", "AXFR")
+    plain = make_engine(demo_state)
     assert dns.message.from_wire(resolve(plain, wire, tcp=True)).rcode() == dns.rcode.REFUSED
-    engine = h.make_engine(demo_state, transfer=True)
+    engine = make_engine(demo_state, transfer=True)
     assert dns.message.from_wire(resolve(engine, wire, tcp=False)).rcode() == dns.rcode.REFUSED
-    assert dns.message.from_wire(resolve(engine, h.query_wire("testapp.svc.cluster.local", "AXFR"),
+    assert dns.message.from_wire(resolve(engine, query_wire("testapp.svc.cluster.local", "AXFR"),
                                          tcp=True)).rcode() == dns.rcode.REFUSED
     messages = resolve(engine, wire, tcp=True)
     assert isinstance(messages, list) and messages
@@ -861,14 +859,14 @@ def test_transfer(demo_state, h):
         got = [line for raw in out for rrset in dns.message.from_wire(raw, xfr=True).answer
                for line in rrset.to_text().splitlines()]
         assert len(got) == expect
-    m = dns.message.from_wire(resolve(engine, h.query_wire("cluster.local", "IXFR"), tcp=True))
+    m = dns.message.from_wire(resolve(engine, query_wire("cluster.local", "IXFR"), tcp=True))
     assert m.rcode() == dns.rcode.SERVFAIL
 
 
-def test_transfer_splits_large_zones(h):
+def test_transfer_splits_large_zones():
     from clusterdns.synthetic import synthetic_records
-    engine = h.make_engine(h.make_state(synthetic_records(3000, 1)), transfer=True)
-    messages = resolve(engine, h.query_wire("cluster.local", "AXFR"), tcp=True)
+    engine = make_engine(make_state(synthetic_records(3000, 1)), transfer=True)
+    messages = resolve(engine, query_wire("cluster.local", "AXFR"), tcp=True)
     assert len(messages) > 1 and all(len(raw) <= 65535 for raw in messages)
     n = sum(len(rrset) for raw in messages for rrset in dns.message.from_wire(raw, xfr=True).answer)
     # SOA twice; per service one A, one SRV at its name and one at its named port (no NS: no server address)
@@ -906,14 +904,14 @@ def queries(draw):
 
 
 @pytest.fixture(scope="module")
-def busy_engine(demo_state, h):
-    return h.make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM), fallthrough=("ip6.arpa",),
+def busy_engine(demo_state):
+    return make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM), fallthrough=("ip6.arpa",),
                          server_addresses=lambda: ["10.161.0.2"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(queries())
-def test_fast_path_equals_full_path(busy_engine, h, query):
+def test_fast_path_equals_full_path(busy_engine, query):
     wire, tcp = query
     first = resolve(busy_engine, wire, tcp)
     fast = busy_engine.fast(wire, tcp)
@@ -973,7 +971,7 @@ def fast_should_answer(engine, wire: bytes, reply: bytes) -> bool:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(queries())
-def test_first_time_fast_answers_equal_the_full_path(busy_engine, h, query):
+def test_first_time_fast_answers_equal_the_full_path(busy_engine, query):
     """fast() builds a question's first answer itself, the bytes resolve() gives; and it does
     so for every kind of question it should (it fails if fast() stops answering one)."""
     wire, tcp = query
@@ -1036,14 +1034,14 @@ KINDS = [
 
 @pytest.mark.parametrize("case", ["lower", "Mixed"])
 @pytest.mark.parametrize("name,qtype,answered", KINDS, ids=[f"{k[0]}/{k[1]}" for k in KINDS])
-def test_fast_path_equals_full_path_for_every_kind(demo_state, h, name, qtype, answered, case):
+def test_fast_path_equals_full_path_for_every_kind(demo_state, name, qtype, answered, case):
     if case == "Mixed":
         name = "".join(c.upper() if i % 3 == 0 else c for i, c in enumerate(name))
     for kw in ({}, {"use_edns": 0}, {"use_edns": 0, "want_dnssec": True, "payload": 4096}):
-        wire = h.query_wire(name, qtype, **kw)
-        fast_engine = h.make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM),
+        wire = query_wire(name, qtype, **kw)
+        fast_engine = make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM),
                                     server_addresses=lambda: ["10.161.0.2"], transfer=True)
-        full_engine = h.make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM),
+        full_engine = make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM),
                                     server_addresses=lambda: ["10.161.0.2"], transfer=True)
         fast = fast_engine.fast(wire, False)
         full = resolve(full_engine, wire)
@@ -1059,23 +1057,23 @@ def test_fast_path_equals_full_path_for_every_kind(demo_state, h, name, qtype, a
             assert later is None or later == again
 
 
-def test_a_flood_of_new_names_keeps_the_names_that_matter(demo_state, h):
+def test_a_flood_of_new_names_keeps_the_names_that_matter(demo_state):
     """Names asked more than once stay prebuilt while never-seen names stream through."""
     from clusterdns.dns import zone
-    engine = h.make_engine(demo_state)
+    engine = make_engine(demo_state)
     # (NS and ns.dns answers depend on the server's addresses: never prebuilt)
-    hot = [h.query_wire(n, t) for n, t, ok in KINDS if ok and t != "NS" and not n.startswith("ns.dns")]
+    hot = [query_wire(n, t) for n, t, ok in KINDS if ok and t != "NS" and not n.startswith("ns.dns")]
     for w in hot * 2:
         assert engine.fast(w, False) is not None
     keys = [w[12:-4].lower() + w[-4:-2] for w in hot]
     assert all(k in engine.view.memo for k in keys)
     for i in range(zone.PROBATION_LIMIT * 3):
-        assert engine.fast(h.query_wire(f"flood-{i}.testapp.svc.cluster.local"), False) is not None
+        assert engine.fast(query_wire(f"flood-{i}.testapp.svc.cluster.local"), False) is not None
     assert all(k in engine.view.memo for k in keys), "a flood of new names evicted the names that matter"
     assert len(engine.view.probation) <= zone.PROBATION_LIMIT
 
 
-def test_unique_names_under_unique_namespaces_stay_bounded(demo_state, h, monkeypatch):
+def test_unique_names_under_unique_namespaces_stay_bounded(demo_state, monkeypatch):
     """x.n<i>.svc.cluster.local for ever new i: every per-name table stays bounded, and so does
     the memory the engine holds (traced allocations, not a clock)."""
     import gc
@@ -1084,12 +1082,12 @@ def test_unique_names_under_unique_namespaces_stay_bounded(demo_state, h, monkey
     from clusterdns.dns import zone
     monkeypatch.setattr(zone, "PROBATION_LIMIT", 1000)
     monkeypatch.setattr(zone, "MEMO_LIMIT", 1000)
-    engine = h.make_engine(demo_state)
+    engine = make_engine(demo_state)
     view = engine.view
 
     def ask(lo, hi):
         for i in range(lo, hi):
-            w = h.query_wire(f"x.n{i}.svc.cluster.local")
+            w = query_wire(f"x.n{i}.svc.cluster.local")
             assert engine.fast(w, False) is not None
             if i % 2:
                 engine.fast(w, False)        # asked twice: into the memo
@@ -1114,26 +1112,26 @@ def test_unique_names_under_unique_namespaces_stay_bounded(demo_state, h, monkey
                                   "a.b.c.d.e.f.svc.cluster.local", "nope.svc.cluster.local",
                                   "x.external-db.testapp.svc.cluster.local", "web-9.testapp-headless.testapp.svc.cluster.local",
                                   "hostmaster.svc.cluster.local", "ns.dns.svc.cluster.local"])
-def test_nxdomain_under_svc_is_answered_from_the_template(demo_state, h, name):
-    engine = h.make_engine(demo_state)
-    other = h.make_engine(demo_state)
+def test_nxdomain_under_svc_is_answered_from_the_template(demo_state, name):
+    engine = make_engine(demo_state)
+    other = make_engine(demo_state)
     for qtype in ("A", "SRV", "ANY"):
-        wire = h.query_wire(name, qtype, use_edns=0)
+        wire = query_wire(name, qtype, use_edns=0)
         fast = engine.fast(wire, False)
-        assert fast is not None and fast == h.ask_wire(other, wire)
+        assert fast is not None and fast == ask_wire(other, wire)
         assert dns.message.from_wire(fast).rcode() == dns.rcode.NXDOMAIN
     assert engine._nx_entries
 
 
-def test_first_time_answers_not_taken_by_fast(demo_state, h):
+def test_first_time_answers_not_taken_by_fast(demo_state):
     """Per-client or upstream-dependent answers stay with resolve()."""
-    engine = h.make_engine(demo_state, autopath=True)
-    assert engine.fast(h.query_wire("nope.testapp.svc.cluster.local"), False) is None        # autopath may apply
-    engine = h.make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM), fallthrough=())
-    assert engine.fast(h.query_wire("nope.testapp.svc.cluster.local"), False) is None        # falls through
-    assert engine.fast(h.query_wire("external-db.testapp.svc.cluster.local"), False) is None  # chased upstream
-    assert engine.fast(h.query_wire("cluster.local", "AXFR"), True) is None
-    assert engine.fast(h.query_wire("example.com"), False) is None
+    engine = make_engine(demo_state, autopath=True)
+    assert engine.fast(query_wire("nope.testapp.svc.cluster.local"), False) is None        # autopath may apply
+    engine = make_engine(demo_state, forwarder=FakeForwarder(UPSTREAM), fallthrough=())
+    assert engine.fast(query_wire("nope.testapp.svc.cluster.local"), False) is None        # falls through
+    assert engine.fast(query_wire("external-db.testapp.svc.cluster.local"), False) is None  # chased upstream
+    assert engine.fast(query_wire("cluster.local", "AXFR"), True) is None
+    assert engine.fast(query_wire("example.com"), False) is None
 
 
 mutations = st.tuples(st.integers(0, 80), st.integers(0, 255))

@@ -7,8 +7,6 @@ replies, and counts what it received per transport.
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 
 import dns.flags
 import dns.message
@@ -22,133 +20,11 @@ import pytest
 from clusterdns.config import load
 from clusterdns.dns.cache import Cache, cache_key
 from clusterdns.dns.forward import Forward, upstreams_from
-
-SOA = "example. 60 IN SOA ns.example. host.example. 1 7200 1800 86400 30"
-
-
-def soa_rrset():
-    name, ttl, cls, rtype, rdata = SOA.split(" ", 4)
-    return dns.rrset.from_text(name, int(ttl), cls, rtype, rdata)
-
-
-class FakeUpstream:
-    """A real DNS server on 127.0.0.1 answering from `records` (name -> list of rrset texts)."""
-
-    def __init__(self, records: dict[str, list[str]] | None = None, *, delay: float = 0.0,
-                 truncate_udp: bool = False, rcode: int | None = None) -> None:
-        self.records = records or {}
-        self.delay, self.truncate_udp, self.rcode = delay, truncate_udp, rcode
-        self.received: list[tuple[str, str, int]] = []   # (proto, qname, qtype), once answered
-        self.asked: list[str] = []                          # proto of each query, on arrival
-        self.port = 0
-        self._udp = None
-        self._tcp = None
-
-    def answer(self, wire: bytes, proto: str) -> bytes | None:
-        try:
-            q = dns.message.from_wire(wire)
-        except Exception:
-            return None
-        question = q.question[0]
-        self.received.append((proto, question.name.to_text().lower(), question.rdtype))
-        r = dns.message.make_response(q)
-        if self.rcode is not None:
-            r.set_rcode(self.rcode)
-            return r.to_wire()
-        texts = self.records.get(question.name.to_text().lower())
-        if texts is None:
-            r.set_rcode(dns.rcode.NXDOMAIN)
-            r.authority.append(soa_rrset())
-            return r.to_wire()
-        for text in texts:
-            name, ttl, cls, rtype, rdata = text.split(" ", 4)
-            if dns.rdatatype.from_text(rtype) == question.rdtype:
-                r.answer.append(dns.rrset.from_text(name, int(ttl), cls, rtype, rdata))
-        if not r.answer:
-            r.authority.append(soa_rrset())
-        if proto == "udp" and self.truncate_udp:
-            r.answer = []
-            r.flags |= dns.flags.TC
-        return r.to_wire()
-
-    async def start(self, port: int = 0) -> "FakeUpstream":
-        loop = asyncio.get_running_loop()
-        up = self
-
-        class Proto(asyncio.DatagramProtocol):
-            def connection_made(self, transport):
-                self.transport = transport
-
-            def datagram_received(self, data, addr):
-                up.asked.append("udp")
-
-                async def reply():
-                    if up.delay:
-                        await asyncio.sleep(up.delay)
-                    out = up.answer(data, "udp")
-                    if out is not None:
-                        self.transport.sendto(out, addr)
-                loop.create_task(reply())
-
-        for _attempt in range(20):   # port 0: the UDP port may be taken for TCP; pick again
-            self._udp, _ = await loop.create_datagram_endpoint(Proto, local_addr=("127.0.0.1", port))
-            self.port = self._udp.get_extra_info("sockname")[1]
-            try:
-                self._tcp = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-                return self
-            except OSError:
-                self._udp.close()
-                if port:
-                    raise
-        raise OSError("no free port for the fake upstream")
-
-    async def _handle(self, reader, writer):
-        up = self
-        try:
-            while True:
-                size = struct.unpack("!H", await reader.readexactly(2))[0]
-                data = await reader.readexactly(size)
-                up.asked.append("tcp")
-                if up.delay:
-                    await asyncio.sleep(up.delay)
-                out = up.answer(data, "tcp")
-                if out is not None:
-                    writer.write(struct.pack("!H", len(out)) + out)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.port)
-
-    async def stop(self) -> None:
-        if self._udp:
-            self._udp.close()
-        if self._tcp:
-            self._tcp.close()
-            await self._tcp.wait_closed()
-
-
-def closed_port() -> int:
-    """A loopback UDP/TCP port nobody listens on (queries get ICMP/RST)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from tests.dns.dnskit import RECORDS, FakeUpstream, closed_port
 
 
 def q(name: str, qtype: str = "A", **kw) -> dnslib.DNSRecord:
     return dnslib.DNSRecord.question(name, qtype, **kw)
-
-
-RECORDS = {
-    "www.example.": ["www.example. 300 IN A 192.0.2.1", "www.example. 300 IN AAAA 2001:db8::1"],
-    "short.example.": ["short.example. 1 IN A 192.0.2.2"],
-    "big.example.": [f"big.example. 60 IN A 198.51.100.{i}" for i in range(1, 61)],
-}
 
 
 @pytest.fixture

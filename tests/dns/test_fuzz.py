@@ -18,7 +18,8 @@ import dnslib
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import DEMO, ServerProcess
+
+from tests.dns.dnskit import DEMO, ServerProcess
 
 NAME = "testapp-svc.testapp.svc.cluster.local."
 VALID = [

@@ -33,6 +33,7 @@ from clusterdns.dns import metrics
 from clusterdns.dns.server import DnsService, error_reply
 from clusterdns.metrics import REGISTRY
 from clusterdns.state import StateStore
+from tests.dns.dnskit import DEMO, RECORDS, FakeUpstream, ServerProcess, closed_port
 from tests.netutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,7 +259,6 @@ def test_error_reply_from_raw_bytes():
 # ---------------------------------------------------------------------------------------
 # Part 2: the real engine, in-process and as `python3 -m clusterdns dns`.
 
-DEMO = ROOT / "clusterdns" / "demo" / "cluster.yaml"
 HEADLESS_IPS = [f"10.99.{i // 200}.{i % 200 + 1}" for i in range(100)]
 
 
@@ -273,47 +273,6 @@ def big_headless_manifest() -> str:
          "addressType": "IPv4", "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
          "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in HEADLESS_IPS]},
     ]})
-
-
-
-
-class ServerProcess:
-    """`python3 -m clusterdns dns ...` as a subprocess, waited for until it answers."""
-
-    def __init__(self, *args: str, port: int | None = None, http: bool = False) -> None:
-        self.port = port or free_port()
-        self.http_port = free_port() if http else None
-        hl = f"127.0.0.1:{self.http_port}" if http else "none"
-        self.argv = [sys.executable, "-m", "clusterdns", "dns", "--listen", f"127.0.0.1:{self.port}",
-                     "--metrics-listen", hl, "--health-listen", hl, *args]
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
-            try:
-                dns.query.udp(dns.message.make_query("dns-version.cluster.local.", "TXT"), "127.0.0.1",
-                              port=self.port, timeout=0.2)
-                return
-            except (dns.exception.Timeout, OSError):
-                continue
-        self.stop()
-        raise RuntimeError("server did not answer within 15 s")
-
-    def query(self, name: str, rdtype: str = "A", tcp: bool = False, **kw) -> dns.message.Message:
-        q = dns.message.make_query(name, rdtype, **kw)
-        send = dns.query.tcp if tcp else dns.query.udp
-        return send(q, "127.0.0.1", port=self.port, timeout=3)
-
-    def dig(self, *args: str) -> str:
-        return subprocess.run(["dig", "@127.0.0.1", "-p", str(self.port), "+time=3", "+tries=1", *args],
-                              capture_output=True, text=True, timeout=10).stdout
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        out, _ = self.proc.communicate(timeout=10)
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +494,6 @@ async def test_changed_manifest_served_within_a_second_and_broken_one_keeps_last
 
 
 async def test_forwarding_cache_and_failover_through_the_server():
-    from test_forward import RECORDS, FakeUpstream, closed_port
     up = await FakeUpstream(RECORDS).start()
     service, task = await start_inprocess("--upstream", f"127.0.0.1:{closed_port()}",
                                           "--upstream", f"127.0.0.1:{up.port}")
@@ -556,7 +514,6 @@ async def test_forwarding_cache_and_failover_through_the_server():
 
 
 async def test_all_upstreams_down_is_servfail_in_bounded_time():
-    from test_forward import closed_port
     service, task = await start_inprocess("--upstream", f"127.0.0.1:{closed_port()}",
                                           "--upstream", f"127.0.0.1:{closed_port()}")
     try:
@@ -568,7 +525,6 @@ async def test_all_upstreams_down_is_servfail_in_bounded_time():
 
 
 async def test_truncating_upstream_is_retried_over_tcp_and_fitted_to_the_client():
-    from test_forward import RECORDS, FakeUpstream
     up = await FakeUpstream(RECORDS, truncate_udp=True).start()
     service, task = await start_inprocess("--upstream", f"127.0.0.1:{up.port}")
     try:

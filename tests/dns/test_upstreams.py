@@ -26,6 +26,7 @@ import pytest
 from clusterdns.dns import metrics
 from clusterdns.dns.cache import Cache
 from clusterdns.dns.forward import Forward
+from tests.dns.dnskit import LiveServer
 
 
 class RawUpstream:
@@ -216,10 +217,10 @@ def bad_then_good():
     up.close()
 
 
-def test_an_overlong_cname_from_upstream_is_not_cached_not_a_panic_and_logged_once(h, bad_then_good, caplog):
+def test_an_overlong_cname_from_upstream_is_not_cached_not_a_panic_and_logged_once(bad_then_good, caplog):
     up, state = bad_then_good
     fwd = Forward([up.address], Cache(), read_timeout=1.0, overall_timeout=2.0, max_fails=1000)
-    srv = h.LiveServer([], forwarder=fwd)
+    srv = LiveServer([], forwarder=fwd)
     panics = metrics._panics[0]
     try:
         with caplog.at_level(logging.WARNING):
