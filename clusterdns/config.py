@@ -68,6 +68,8 @@ class DnsConfig:
     udp_size: int = 1232
     workers: int = 1                       # UDP receive threads per listen address (SO_REUSEPORT)
     tcp_max_connections: int = 1024        # open DNS TCP connections; beyond, the oldest idle is closed
+    memo_size: int = 100_000               # prebuilt answers of names asked again, per state version
+    memo_probation: int = 20_000           # prebuilt answers of names asked once so far
 
     @property
     def cluster_domain(self) -> str:
@@ -242,6 +244,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
       help="UDP receive threads per listen address, each on its own SO_REUSEPORT socket (default 1)")
     a("--tcp-max-connections", type=int, default=S, metavar="N",
       help="open DNS TCP connections; a new one closes the oldest idle one (default 1024)")
+    a("--memo-size", type=int, default=S, metavar="N",
+      help="prebuilt answers kept for names asked more than once, least recently used dropped (default 100000)")
+    a("--memo-probation", type=int, default=S, metavar="N",
+      help="prebuilt answers kept for names asked once so far (default 20000)")
     a("--node-name", default=S)
     a("--node-ip", dest="node_ips", action="append", metavar="IP", default=S)
     a("--cluster-cidr", dest="cluster_cidrs", action="append", metavar="CIDR", default=S)
@@ -385,6 +391,9 @@ def _validate(cfg: Config) -> Config:
         err(f"--workers {dns.workers}: must be between 1 and 64")
     if dns.tcp_max_connections < 1:
         err(f"--tcp-max-connections {dns.tcp_max_connections}: must be at least 1")
+    for flag, n in (("--memo-size", dns.memo_size), ("--memo-probation", dns.memo_probation)):
+        if not 0 <= n <= 10_000_000:
+            err(f"{flag} {n}: must be between 0 and 10000000")
     for name in ("metrics_listen", "proxy_metrics_listen", "health_listen"):
         v = options[name]
         if v and v != "none":

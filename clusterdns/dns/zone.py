@@ -33,8 +33,6 @@ from .names import Labels, Selector
 from .wire import AAAA, ANY, CNAME, NOERROR, NS, NXDOMAIN, PTR, SERVFAIL, SOA, SRV, TXT, A
 
 SCHEMA_VERSION = "1.1.0"
-MEMO_LIMIT = 100_000      # prebuilt answers asked more than once, per state version (least recently used go)
-PROBATION_LIMIT = 20_000  # answers asked once so far: a flood of new names churns only these
 BIG = 200                 # endpoints or ports beyond which a Service's records are made lazily
 VERSION_TTL = 28800
 HINFO_RDATA = RD(b"\x07RFC8482\x00")   # RFC 8482 section 4.2: the minimal answer to ANY
@@ -302,8 +300,9 @@ class ZoneView:
         forward = [z for z in zones if not names.is_reverse(z)]
         self.primary: Labels = forward[0] if forward else zones[0]
         # prebuilt answers (the engine's): asked again -> memo, asked once so far -> probation
-        self.memo = Lru(MEMO_LIMIT)
-        self.probation = Lru(PROBATION_LIMIT)
+        # (a flood of new names churns only that one); least recently used go when full
+        self.memo = Lru(cfg.dns.memo_size)
+        self.probation = Lru(cfg.dns.memo_probation)
         self._soas: dict[Labels, RR] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None

@@ -1059,30 +1059,54 @@ def test_fast_path_equals_full_path_for_every_kind(demo_state, name, qtype, answ
 
 def test_a_flood_of_new_names_keeps_the_names_that_matter(demo_state):
     """Names asked more than once stay prebuilt while never-seen names stream through."""
-    from clusterdns.dns import zone
-    engine = make_engine(demo_state)
+    engine = make_engine(demo_state, memo_probation=5000)
     # (NS and ns.dns answers depend on the server's addresses: never prebuilt)
     hot = [query_wire(n, t) for n, t, ok in KINDS if ok and t != "NS" and not n.startswith("ns.dns")]
     for w in hot * 2:
         assert engine.fast(w, False) is not None
     keys = [w[12:-4].lower() + w[-4:-2] for w in hot]
     assert all(k in engine.view.memo for k in keys)
-    for i in range(zone.PROBATION_LIMIT * 3):
+    for i in range(5000 * 3):
         assert engine.fast(query_wire(f"flood-{i}.testapp.svc.cluster.local"), False) is not None
     assert all(k in engine.view.memo for k in keys), "a flood of new names evicted the names that matter"
-    assert len(engine.view.probation) <= zone.PROBATION_LIMIT
+    assert len(engine.view.probation) == 5000
 
 
-def test_unique_names_under_unique_namespaces_stay_bounded(demo_state, monkeypatch):
+def test_memo_limits_are_flags_and_the_least_recently_used_go(demo_state):
+    from clusterdns.config import ConfigError, load
+    cfg = load(["dns", "--memo-size", "3", "--memo-probation", "2"], env={})
+    assert (cfg.dns.memo_size, cfg.dns.memo_probation) == (3, 2)
+    for bad in (["--memo-size", "-1"], ["--memo-probation", "20000000"]):
+        with pytest.raises(ConfigError, match=bad[0]):
+            load(["dns", *bad], env={})
+    engine = make_engine(demo_state, memo_size=3, memo_probation=2)
+    names = [query_wire(f"{n}.testapp.svc.cluster.local") for n in ("testapp-svc", "testapp2-svc", "missing-a",
+                                                                     "missing-b")]
+    key = [w[12:-4].lower() + w[-4:-2] for w in names]
+    for w in names:
+        assert engine.fast(w, False) is not None
+    assert list(engine.view.probation) == key[2:]          # asked once: the 2 most recent kept
+    for w in names[2:] + names[:2]:
+        engine.fast(w, False)
+    # asked again: into the memo; the first two had been dropped from probation, so are new again
+    assert list(engine.view.memo) == key[2:] and list(engine.view.probation) == key[:2]
+    engine.fast(names[2], False)                            # a use: missing-a is now the most recent
+    engine.fast(names[0], False)                            # the memo's 3rd entry
+    engine.fast(names[1], False)                            # a 4th: missing-b, the least recently used, goes
+    assert list(engine.view.memo) == [key[2], key[0], key[1]]
+    off = make_engine(demo_state, memo_size=0, memo_probation=0)
+    for w in names * 2:
+        assert off.fast(w, False) is not None               # still answered, nothing kept
+    assert not off.view.memo and not off.view.probation
+
+
+def test_unique_names_under_unique_namespaces_stay_bounded(demo_state):
     """x.n<i>.svc.cluster.local for ever new i: every per-name table stays bounded, and so does
     the memory the engine holds (traced allocations, not a clock)."""
     import gc
     import tracemalloc
 
-    from clusterdns.dns import zone
-    monkeypatch.setattr(zone, "PROBATION_LIMIT", 1000)
-    monkeypatch.setattr(zone, "MEMO_LIMIT", 1000)
-    engine = make_engine(demo_state)
+    engine = make_engine(demo_state, memo_size=1000, memo_probation=1000)
     view = engine.view
 
     def ask(lo, hi):
