@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import struct
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import dnslib
 from dnslib import RR, DNSError, DNSHeader, DNSQuestion, DNSRecord
@@ -24,7 +24,6 @@ from ..lograte import LogLimit
 from ..state import ClusterState
 from . import metrics, names, resolvconf, xfr
 from .cache import cache_key
-from .cache import with_ttl as records_with_ttl
 from .names import Labels
 from .wire import (
     AA,
@@ -72,6 +71,20 @@ class Forwarder(Protocol):
         ...
 
 
+def _upstream_body(labels: Sequence[bytes], reply: DNSRecord, prefix: list | None = None) -> tuple[int, Body]:
+    """Our header flags and the packed records of an upstream's reply (its OPT is not ours to
+    pass on) after the question `labels`; `prefix`: records put before its answer."""
+    flags = (reply.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
+    extra = [rr for rr in reply.ar if rr.rtype != OPT_TYPE]
+    answer = (prefix or []) + list(reply.rr)
+    return flags, pack_body(labels, answer, reply.auth, extra)
+
+
+def _same_answer(a: DNSRecord, b: DNSRecord) -> bool:
+    """The same header flags and records (dnslib compares records without their TTLs)."""
+    return a.header.bitmap == b.header.bitmap and a.rr == b.rr and a.auth == b.auth and a.ar == b.ar
+
+
 def _forwarded_key(data: bytes, qend: int, do: bool) -> bytes:
     """The key of a forwarded answer kept for the fast path: the question's name (lower case)
     and type, then the DO and CD bits (each pair its own answer, as in the forwarder's cache)."""
@@ -102,7 +115,7 @@ class _Query:
 
 class _Forwarded:
     """A forwarded answer held in the forwarder's cache, as wire bytes for the fast path: the body
-    packed against the lower-cased question, where its TTLs are, and the last TTL variant made."""
+    as packed for the query that brought it, where its TTLs are, and the last TTL variant made."""
     __slots__ = ("ckey", "centry", "flags", "body", "offsets", "ttl", "at_ttl")
 
     def __init__(self, ckey, centry, flags: int, body: Body) -> None:
@@ -271,18 +284,17 @@ class Engine:
         return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
                          data[12:qend], body.data, opt))
 
-    def _remember_forwarded(self, q: _Query) -> None:
-        """Keep the wire form of the answer the cache now holds for q (fresh only)."""
+    def _remember_forwarded(self, q: _Query, reply: DNSRecord, flags: int, body: Body) -> None:
+        """Keep the wire form of the answer the cache now holds for q (fresh only): `body`, packed
+        for `reply`, when the cache holds that answer (the usual case: it was stored or hit just
+        now), else the cache's own (a concurrent query's, when `reply` was not cacheable)."""
         ckey = cache_key(q.record)
         centry = self._fcache.peek(ckey)
         if centry is None or centry.duration - (self._fcache.clock() - centry.stored) <= 0:
             return
         rec = centry.record
-        ar = [rr for rr in rec.ar if rr.rtype != OPT_TYPE]
-        lower = tuple(l.lower() for l in q.raw_labels)
-        body = pack_body(lower, records_with_ttl(rec.rr, 0), records_with_ttl(rec.auth, 0),
-                         records_with_ttl(ar, 0))
-        flags = (rec.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
+        if not _same_answer(rec, reply):
+            flags, body = _upstream_body(q.raw_labels, rec)
         self._fwd[_forwarded_key(q.data, q.qend, q.do)] = _Forwarded(ckey, centry, flags, body)
 
     # --- full path -----------------------------------------------------------------------
@@ -502,9 +514,10 @@ class Engine:
         if reply is None:
             return self._error(q, SERVFAIL)
         try:
+            flags, body = _upstream_body(q.raw_labels, reply)      # packed once: the reply and the memo
             if remember and self._fcache is not None and not self._probes:
-                self._remember_forwarded(q)
-            return self._upstream_reply(q, reply)
+                self._remember_forwarded(q, reply, flags, body)
+            return render(body, flags, q.data, q.question, 1, self._opt_for(q), self._limit(q))
         except Exception:
             # a failure of ours must not outlive this query: forget what the cache holds for it
             if self._fcache is not None and q.record is not None:
@@ -513,10 +526,7 @@ class Engine:
             raise
 
     def _upstream_reply(self, q: _Query, reply: DNSRecord, prefix: list | None = None) -> bytes:
-        flags = (reply.header.bitmap & _FLAGS_MASK_UPSTREAM) | QR
-        extra = [rr for rr in reply.ar if rr.rtype != OPT_TYPE]
-        answer = (prefix or []) + list(reply.rr)
-        body = pack_body(q.raw_labels, answer, reply.auth, extra)
+        flags, body = _upstream_body(q.raw_labels, reply, prefix)
         return render(body, flags, q.data, q.question, 1, self._opt_for(q), self._limit(q))
 
     async def _chase_upstream(self, q: _Query, ans: Answer) -> bytes:

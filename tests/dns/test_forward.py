@@ -314,6 +314,24 @@ async def test_cached_forwarded_answer_keeps_id_case_and_keys_on_do_and_cd(upstr
     assert len(upstream.received) == 3
 
 
+async def test_the_fast_path_serves_what_the_cache_holds_not_an_uncached_reply(upstream):
+    """Two queries for one name forwarded at once: the other one's answer is cached while this
+    one's upstream said SERVFAIL (never cached). This client gets its SERVFAIL; the fast path
+    then serves the cached answer."""
+    class Racing(Forward):
+        async def query(self, request, tcp):
+            await super().query(request, tcp)          # "the other query": forwarded and cached
+            bad = request.reply()
+            bad.header.ra, bad.header.rcode = 1, dnslib.RCODE.SERVFAIL
+            return bad
+
+    engine = engine_with(Racing([upstream.address], Cache(clock=lambda: 0.0)))
+    wire = dns.message.make_query("www.example.", "A").to_wire()
+    assert dns.message.from_wire(await engine.resolve(wire, "10.0.0.1", False)).rcode() == dns.rcode.SERVFAIL
+    m = dns.message.from_wire(engine.fast(wire, False))
+    assert m.rcode() == dns.rcode.NOERROR and m.answer[0][0].address == "192.0.2.1"
+
+
 @pytest.mark.parametrize("kw,tcp,limit,full", [({}, False, 512, False), ({"use_edns": 0, "payload": 512}, False, 512, False),
                                                ({"use_edns": 0, "payload": 1232}, False, 1232, True),
                                                ({}, True, 65535, True)])
