@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import struct
 
 # iptables chains (kube-proxy's names)
 KUBE_SERVICES = "KUBE-SERVICES"
@@ -39,10 +40,15 @@ def _b32_16(text: str) -> str:
     base64.b32encode is pure Python and dominated large renders; this is the
     same encoding (RFC 4648 alphabet) done with a table of 15-bit triples.
     """
-    n = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:10], "big")
+    # the 80 bits as 64 + 16: shifts of machine-size ints, not of one 80-bit int
+    hi, lo = _HEAD(_sha256(text.encode("utf-8")).digest())
     t = _TRIPLES
-    return (t[n >> 65] + t[(n >> 50) & 32767] + t[(n >> 35) & 32767] + t[(n >> 20) & 32767]
-            + t[(n >> 5) & 32767] + _ALPHABET[n & 31])
+    return (t[hi >> 49] + t[(hi >> 34) & 32767] + t[(hi >> 19) & 32767] + t[(hi >> 4) & 32767]
+            + t[((hi & 15) << 11) | (lo >> 5)] + _ALPHABET[lo & 31])
+
+
+_HEAD = struct.Struct(">QH").unpack_from
+_sha256 = hashlib.sha256
 
 
 def _b32(text: str) -> str:
