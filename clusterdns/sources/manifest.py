@@ -294,11 +294,140 @@ def _printable(value: Any) -> str:
 def parse_file(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """Read, parse and convert one file; raises ManifestError."""
     with gc_paused():
-        docs = read_documents(path, limits)
+        raw = read_bytes(path, limits)
+        halves = _parse_in_halves(raw, path, limits)
+        if halves is not None:
+            return halves
+        try:
+            docs = parse_documents(raw, path, limits)
+        except ManifestError as exc:
+            if not exc.path:
+                raise ManifestError(path, exc.line, exc.reason) from None
+            raise
         records = records_from_documents(docs, path, limits)
         retain(docs)
         del docs
     return records
+
+
+# -- a big block-style `kind: List` parsed and converted in two halves at once --------------
+#
+# YAML parsing is most of a large file's load. A `kind: List` as kubectl and PyYAML print it
+# ("items:" at column 0, each item a line starting "- " at column 0) splits at an item line:
+# a forked child parses and converts the second half of the items while this process does
+# the rest of the file, and sends its records back pickled. Any doubt (another layout, a
+# parse error or a limit in either half, an alias across the halves) and the file is parsed
+# whole as usual, so results and error messages are the serial path's own.
+SPLIT_MIN_BYTES = 4 * 1024 * 1024
+# A line that can neither continue an item nor start one: where the items end.
+_ITEMS_END = re.compile(r"\n(?:[^ \n#-]|-[^ \n])")
+
+
+def _idle_cpu(loadavg: str = "/proc/loadavg") -> bool:
+    """Whether a CPU this process may use is idle now (no other runnable task in
+    /proc/loadavg's count): the halves only pay (their pickled records cost ~0.1 s)
+    when the child gets a CPU of its own."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        return False
+    try:
+        with open(loadavg, "rb") as fh:
+            running = int(fh.read().split()[3].split(b"/")[0])   # runnable tasks, this one included
+    except (OSError, ValueError, IndexError):
+        return False
+    return running < cpus
+
+
+def _split_points(text: str) -> tuple[int, int, int] | None:
+    """(start of the items, start of the second half's first item, end of the items)."""
+    if text.startswith("items:\n"):
+        start = len("items:\n")
+    else:
+        start = text.find("\nitems:\n")
+        if start < 0:
+            return None
+        start += len("\nitems:\n")
+    if not text.startswith("- ", start):
+        return None
+    m = _ITEMS_END.search(text, start - 1)
+    end = m.start() + 1 if m else len(text)
+    mid = text.find("\n- ", start + (end - start) // 2, end)
+    if mid < 0:
+        return None
+    return start, mid + 1, end
+
+
+def _parse_in_halves(raw: bytes, path: str, limits: Limits) -> tuple[list, list[Skipped]] | None:
+    """parse_documents + records_from_documents in two processes, or None (then the caller
+    does it whole). Only in a process of one thread: a fork copies no other thread."""
+    if len(raw) < SPLIT_MIN_BYTES or yaml_rs is None or not hasattr(os, "fork") or not _idle_cpu():
+        return None
+    import threading
+    if threading.active_count() != 1:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if text.lstrip().startswith(("{", "[")):
+        return None   # JSON: its parser is fast enough whole
+    points = _split_points(text)
+    if points is None:
+        return None
+    start, mid, end = points
+    try:
+        _check_nesting(raw)
+    except ManifestError:
+        return None
+    # Each half within half the limits: the two together stay within what the whole may hold.
+    half = Limits(max_bytes=limits.max_bytes, max_objects=limits.max_objects // 2,
+                  max_alias_nodes=limits.max_alias_nodes // 2, allow_shrink=limits.allow_shrink)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: the second half's items, as records; then it exits at once
+        code = 1
+        try:
+            os.close(rfd)
+            got: Any = ("failed",)
+            try:
+                items = _load_yaml(text[mid:end], half)
+                # every "- " line at column 0 an item: the split was at an item's start
+                if isinstance(items, list) and len(items) == text.count("\n- ", mid - 1, end):
+                    got = ("ok", records_from_documents([{"kind": "List", "items": items}], path, half))
+            except (ManifestError, RecursionError, ValueError, TypeError):
+                pass
+            data = pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(wfd, "wb") as out:
+                out.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    mine: tuple[list, list[Skipped]] | None = None
+    try:
+        try:
+            docs = _load_yaml(text[:mid] + text[end:], half)
+            doc = docs[0] if len(docs) == 1 else None
+            if isinstance(doc, dict) and isinstance(doc.get("kind"), str) and doc["kind"].endswith("List") \
+                    and isinstance(doc.get("items"), list) \
+                    and len(doc["items"]) == text.count("\n- ", start - 1, mid):
+                mine = records_from_documents(docs, path, half)
+                retain(docs)
+        except ManifestError:
+            pass
+        with os.fdopen(rfd, "rb") as fh:
+            data = fh.read()
+    finally:
+        _, status = os.waitpid(pid, 0)
+    if mine is None or status != 0 or not data:
+        return None
+    theirs = pickle.loads(data)
+    if theirs[0] != "ok":
+        return None
+    records, skipped = theirs[1]
+    return mine[0] + records, mine[1] + skipped
 
 
 

@@ -1,0 +1,152 @@
+"""A big block-style `kind: List` parsed in two halves (a forked child takes the second
+half's items) gives exactly what the whole-file parse gives, or is parsed whole."""
+import json
+import threading
+
+import pytest
+import yaml
+
+from clusterdns.errors import ManifestError
+from clusterdns.sources import manifest
+from clusterdns.sources.manifest import DEFAULT_LIMITS, Limits, parse_documents, records_from_documents
+from clusterdns.synthetic import synthetic_records, to_manifest
+
+
+@pytest.fixture
+def halves(monkeypatch):
+    """Splitting on, whatever the file's size and the machine's load."""
+    monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(manifest, "_idle_cpu", lambda: True)
+
+
+def whole(raw: bytes, path: str, limits=DEFAULT_LIMITS):
+    return records_from_documents(parse_documents(raw, path, limits), path, limits)
+
+
+def kubectl_yaml(services=40) -> bytes:
+    """A List as kubectl prints it, with invalid objects and other kinds in both halves."""
+    doc = json.loads(to_manifest(synthetic_records(services=services, endpoints=3)))
+    items = doc["items"]
+    n = len(items)
+    bad_ip = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "bad-ip", "namespace": "ns-0"},
+              "spec": {"clusterIP": 1234, "ports": [{"port": 80}]}}
+    bad_name = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "Bad_Name", "namespace": "ns-0"},
+                "spec": {"clusterIP": "10.96.99.1", "ports": [{"port": 80}]}}
+    deploy = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": "ns-0"}}
+    old_api = {"apiVersion": "discovery.k8s.io/v1beta1", "kind": "EndpointSlice", "metadata": {"name": "x"}}
+    items[n // 4:n // 4] = [bad_ip, deploy]
+    items[3 * n // 4:3 * n // 4] = [bad_name, old_api, "just a string"]
+    text = yaml.dump(doc, Dumper=yaml.SafeDumper, default_flow_style=False)
+    assert text.startswith("apiVersion: v1\nitems:\n- ")
+    return text.encode()
+
+
+def test_halves_give_the_whole_files_records_and_skips(halves, tmp_path):
+    raw = kubectl_yaml()
+    path = str(tmp_path / "c.yaml")
+    got = manifest._parse_in_halves(raw, path, DEFAULT_LIMITS)
+    assert got is not None, "the file was not split"
+    want = whole(raw, path)
+    assert got == want
+    assert [s.name for s in got[1]] == ["ns-0/bad-ip", "ns-0/Bad_Name", "x", "?"]   # in file order across the halves
+    (tmp_path / "c.yaml").write_bytes(raw)
+    assert manifest.parse_file(path) == want
+
+
+def test_a_block_list_with_keys_after_the_items_splits(halves):
+    raw = kubectl_yaml(10) + (b"metadata:\n  resourceVersion: ''\n"
+                              b"extra:\n- apiVersion: v1\n  kind: Namespace\n  metadata:\n    name: extra\n")
+    # "extra" holds a Namespace at column 0 after the items: not an item, so not a record
+    got = manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS)
+    assert got is not None and got == whole(raw, "c.yaml")
+
+
+@pytest.mark.parametrize("change", ["alias", "quoted", "stream", "tab", "indented"])
+def test_doubtful_layouts_are_parsed_whole(halves, tmp_path, change):
+    text = kubectl_yaml(20).decode()
+    lines = text.split("\n")
+    mid = next(i for i in range(len(lines) // 2, len(lines)) if lines[i].startswith("- "))
+    if change == "alias":      # an anchor in the first half used in the second
+        first = next(i for i, line in enumerate(lines) if line.startswith("  kind: Namespace"))
+        lines[first] = "  kind: &k Namespace"
+        lines[mid + 1:mid + 1] = ["  note: *k"]
+    elif change == "quoted":   # a quoted scalar whose continuation line reads like an item
+        lines[mid:mid] = ['  note: "starts here', '- and goes on"']
+    elif change == "stream":   # a second document after the List
+        lines += ["---", "apiVersion: v1", "kind: Namespace", "metadata:", "  name: later"]
+    elif change == "tab":
+        lines[mid:mid] = ["\tfoo: bar"]
+    elif change == "indented":   # items indented under "items:": not the layout split
+        lines = [lines[0], lines[1]] + ["  " + line if line else line for line in lines[2:]]
+    raw = "\n".join(lines).encode()
+    try:
+        want = whole(raw, str(tmp_path / "c.yaml"))
+    except ManifestError as exc:
+        want = exc
+    assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+    path = tmp_path / "c.yaml"
+    path.write_bytes(raw)
+    try:
+        got = manifest.parse_file(str(path))
+    except ManifestError as exc:
+        got = exc
+    assert (str(got) == str(want)) if isinstance(want, ManifestError) else (got == want)
+
+
+def test_a_broken_second_half_reports_the_whole_files_line(halves, tmp_path):
+    text = kubectl_yaml(20).decode()
+    lines = text.split("\n")
+    at = len(lines) * 3 // 4
+    lines[at] = "  broken: [1, 2"
+    path = tmp_path / "c.yaml"
+    path.write_text("\n".join(lines))
+    assert manifest._parse_in_halves(path.read_bytes(), str(path), DEFAULT_LIMITS) is None
+    with pytest.raises(ManifestError) as split_err:
+        manifest.parse_file(str(path))
+    with pytest.raises(ManifestError) as whole_err:
+        whole(path.read_bytes(), str(path))
+    assert str(split_err.value) == str(whole_err.value)
+    assert split_err.value.line is not None and split_err.value.line > len(lines) // 2
+
+
+def test_object_limit_counts_both_halves(halves, tmp_path):
+    raw = kubectl_yaml(20)
+    n = len(yaml.safe_load(raw)["items"])
+    path = tmp_path / "c.yaml"
+    path.write_bytes(raw)
+    tight = Limits(max_objects=n - 1)
+    with pytest.raises(ManifestError, match="more than"):
+        manifest.parse_file(str(path), tight)
+    assert manifest.parse_file(str(path), Limits(max_objects=n)) == whole(raw, str(path))
+
+
+def test_json_and_small_or_busy_cases_stay_whole(halves, monkeypatch):
+    text = to_manifest(synthetic_records(services=10, endpoints=2))
+    assert manifest._parse_in_halves(text.encode(), "c.json", DEFAULT_LIMITS) is None
+    raw = kubectl_yaml(10)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:   # a fork copies only the calling thread: never split in a process with others
+        assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+    finally:
+        stop.set()
+        other.join()
+    monkeypatch.setattr(manifest, "_idle_cpu", lambda: False)
+    assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+    monkeypatch.setattr(manifest, "_idle_cpu", lambda: True)
+    monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", len(raw) + 1)
+    assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+
+
+@pytest.mark.parametrize("loadavg,cpus,idle", [
+    ("0.10 0.20 0.30 1/120 4242\n", {0, 1}, True),    # only this process runnable
+    ("2.10 1.90 1.50 2/120 4242\n", {0, 1}, False),   # another task wants the other CPU
+    ("0.10 0.20 0.30 1/120 4242\n", {0}, False),      # one CPU
+    ("garbage\n", {0, 1}, False),
+])
+def test_idle_cpu_reads_the_run_queue(tmp_path, monkeypatch, loadavg, cpus, idle):
+    path = tmp_path / "loadavg"
+    path.write_text(loadavg)
+    monkeypatch.setattr(manifest.os, "sched_getaffinity", lambda pid: cpus)
+    assert manifest._idle_cpu(str(path)) is idle
