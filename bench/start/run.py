@@ -6,8 +6,9 @@
 Writes a `kind: List` manifest of synthetic Services x endpoints (one port
 each) in JSON and in YAML (as `kubectl -o json|yaml` would), then runs
 `clusterdns rules --mode M --manifest F >/dev/null` --runs times for each mode
-and format and prints, with the command, the median wall time, CPU time
-(user+sys: steadier than wall on this shared machine) and peak RSS.
+and format (interleaved) and prints, with the command, the median wall time, CPU
+time (user+sys, the process and its children: steadier than wall on a shared
+machine), peak RSS and how busy the machine was.
 
 The agent part runs, in a fresh process per run, what `clusterdns agent
 --proxy-mode nftables` does before its first sync: the manifest source's first
@@ -72,8 +73,21 @@ def write_manifests(services: int, endpoints: int, where: str) -> dict[str, str]
     return paths
 
 
-def run_once(cmd: list[str]) -> tuple[float, float, float]:
-    """(wall s, CPU s, peak RSS MB) of one whole process (its own rusage, through wait4)."""
+def others_runnable() -> int:
+    """Tasks other than this one wanting a CPU now (/proc/loadavg): on a shared machine the
+    figures are only comparable at the same load, and a big YAML manifest is parsed in two
+    processes only when a CPU is idle."""
+    try:
+        with open("/proc/loadavg") as fh:
+            return int(fh.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def run_once(cmd: list[str]) -> tuple[float, float, float, int]:
+    """(wall s, CPU s, peak RSS MB, other runnable tasks at its start) of one whole process
+    (its own rusage and its children's, through wait4)."""
+    busy = others_runnable()
     start = time.perf_counter()
     with open(os.devnull, "wb") as null, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=null, stderr=err)
@@ -83,7 +97,7 @@ def run_once(cmd: list[str]) -> tuple[float, float, float]:
         if proc.returncode != 0:
             err.seek(0)
             sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}): {err.read().decode()[-500:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, busy
 
 
 def main() -> int:
@@ -100,14 +114,19 @@ def main() -> int:
         sizes = {f: os.path.getsize(p) / 1e6 for f, p in paths.items()}
         print(f"{args.services} Services x {args.endpoints} endpoints; manifests: "
               + ", ".join(f"{f} {sizes[f]:.1f} MB" for f in paths) + f"; {args.runs} runs each, medians")
-        print(f"{'mode':<9} {'format':<6} {'wall s':>7} {'cpu s':>7} {'peak MB':>8}  command")
-        for mode in args.modes.split(","):
-            for fmt in args.formats.split(","):
-                cmd = [CLUSTERDNS, "rules", "--mode", mode, "--manifest", paths[fmt]]
-                runs = [run_once(cmd) for _ in range(args.runs)]
-                wall, cpu, rss = (statistics.median(r[i] for r in runs) for i in range(3))
-                shown = " ".join(cmd).replace(tmp, "$TMP").replace(CLUSTERDNS, "clusterdns")
-                print(f"{mode:<9} {fmt:<6} {wall:7.2f} {cpu:7.2f} {rss:8.0f}  {shown} >/dev/null", flush=True)
+        print(f"{'mode':<9} {'format':<6} {'wall s':>7} {'cpu s':>7} {'peak MB':>8} {'busy':>5}  command")
+        cases = [(mode, fmt) for mode in args.modes.split(",") for fmt in args.formats.split(",")]
+        runs: dict[tuple[str, str], list] = {case: [] for case in cases}
+        for _ in range(args.runs):   # interleaved: a burst of load elsewhere spreads over every case
+            for mode, fmt in cases:
+                runs[mode, fmt].append(run_once([CLUSTERDNS, "rules", "--mode", mode, "--manifest", paths[fmt]]))
+        for mode, fmt in cases:
+            wall, cpu, rss, busy = (statistics.median(r[i] for r in runs[mode, fmt]) for i in range(4))
+            cmd = [CLUSTERDNS, "rules", "--mode", mode, "--manifest", paths[fmt]]
+            shown = " ".join(cmd).replace(tmp, "$TMP").replace(CLUSTERDNS, "clusterdns")
+            print(f"{mode:<9} {fmt:<6} {wall:7.2f} {cpu:7.2f} {rss:8.0f} {busy:5.0f}  {shown} >/dev/null", flush=True)
+        print("(busy: the median count of other runnable tasks when a run started; "
+              "0 on an idle machine)")
         if args.no_agent:
             return 0
         print("\nagent start path (first load through the parse worker, DNS zone, first nftables render), medians:")

@@ -423,7 +423,10 @@ def _parse_in_halves(raw: bytes, path: str, limits: Limits) -> tuple[list, list[
         _, status = os.waitpid(pid, 0)
     if mine is None or status != 0 or not data:
         return None
-    theirs = pickle.loads(data)
+    try:
+        theirs = pickle.loads(data)
+    except (pickle.UnpicklingError, EOFError):
+        return None
     if theirs[0] != "ok":
         return None
     records, skipped = theirs[1]
