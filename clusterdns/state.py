@@ -279,10 +279,25 @@ class StateStore:
         self._full = False
 
 
-def _replaced(old: Mapping, new: Mapping) -> tuple[list, list]:
+def _replaced(old: Mapping, new: dict) -> tuple[list, list]:
     """Replacing table `old` by `new`: the records of old it drops or changes, and the
-    records of new that are new or changed."""
-    return [r for k, r in old.items() if new.get(k) != r], [r for k, r in new.items() if old.get(k) != r]
+    records of new that are new or changed.
+
+    In `new`, a record equal to the old one is replaced by the old object: a reload then
+    holds one copy of what did not change (not the served copy, which the identity-keyed
+    render caches keep alive, beside a fresh one), and those caches keep hitting."""
+    gone, came = [], []
+    for key, was in old.items():
+        rec = new.get(key)
+        if rec is None:
+            gone.append(was)
+        elif rec == was:
+            new[key] = was
+        else:
+            gone.append(was)
+            came.append(rec)
+    came += [rec for key, rec in new.items() if key not in old]
+    return gone, came
 
 
 def _service_of(kind: str, record: Any) -> tuple[str, str] | None:

@@ -127,3 +127,25 @@ def test_prepared_replace_equals_the_usual_replace():
         assert not store.commit(stale)
     assert results[0] == results[1]
     assert results[1][-1].services and results[1][-1].full
+
+
+def test_a_reload_keeps_the_served_object_of_an_unchanged_record():
+    store = StateStore()
+    a, b = svc("a"), svc("b", "10.96.0.2")
+    sl = EndpointSlice("ns", "a-1", "a", endpoints=(Endpoint(("10.0.0.1",)),))
+    with store.batch():
+        store.replace("Service", [a, b])
+        store.replace("EndpointSlice", [sl])
+    # a reload parses fresh copies: the equal ones are dropped for the served objects
+    a2, b2, sl2 = svc("a"), svc("b", "10.96.0.9"), EndpointSlice("ns", "a-1", "a",
+                                                                 endpoints=(Endpoint(("10.0.0.1",)),))
+    assert a2 == a and a2 is not a and sl2 == sl and sl2 is not sl
+    store.replace("Service", [a2, b2])
+    assert store.current.services[("ns", "a")] is a
+    assert store.current.services[("ns", "b")] is b2          # a changed record is the new one
+    prepared = store.prepare_replace_all({"Service": [svc("a"), b2], "EndpointSlice": [sl2]})
+    assert prepared.changed == frozenset()
+    assert store.commit(prepared)
+    assert store.current.services[("ns", "a")] is a and store.current.services[("ns", "b")] is b2
+    assert store.current.slices[("ns", "a-1")] is sl and store.current.slices_for("ns", "a") == (sl,)
+    assert store.current.slices_for("ns", "a")[0] is sl
