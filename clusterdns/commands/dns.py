@@ -13,7 +13,6 @@ import signal
 
 from ..config import Config
 from ..errors import UsageError
-from ..health import HealthServer
 from ..lifetime import gc_paused
 from ..sources import loader
 from ..state import StateStore
@@ -32,12 +31,21 @@ async def serve(cfg: Config) -> int:
         # (once collections resume, the first would scan all that was made while they were
         # paused, ~0.1 s at 10,000 Services for each step of the start, and find nothing).
         gc.freeze()
-    health = HealthServer(cfg)
-    health.add_ready_check("dns", lambda: service.synced)
+    # Signals are taken from the moment DNS answers (a SIGTERM before health is up still
+    # gets its lameduck and exit 0).
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
     try:
         await service.start()
     except OSError as exc:
         raise UsageError(exc.strerror or str(exc)) from None
+    # Imported once DNS answers (the receive threads answer first-time questions on their
+    # own): aiohttp's import takes ~0.1 s that the first answer need not wait for.
+    from ..health import HealthServer
+    health = HealthServer(cfg)
+    health.add_ready_check("dns", lambda: service.synced)
     try:
         await health.start()
     except OSError as exc:
@@ -48,10 +56,6 @@ async def serve(cfg: Config) -> int:
         if health.bound_kinds.get(kind):
             log.info("%s on %s", label, ", ".join(f"{h}:{p}" for h, p in health.bound_kinds[kind]))
 
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     source_task = asyncio.ensure_future(source.run())
     waiter = asyncio.ensure_future(stopping.wait())
     await asyncio.wait([waiter, source_task], return_when=asyncio.FIRST_COMPLETED)
