@@ -421,12 +421,15 @@ def test_monitoring_manifests_select_the_agent_and_its_ports():
             assert p["targetPort"] in ports
         jobs[svc["metadata"]["labels"]["k8s-app"]] = svc
     assert set(jobs) == {"kube-dns", "kube-proxy"}          # the job names the stock rules expect
+    monitored = set()
     for sm in docs("monitoring/servicemonitors.yaml"):
         assert sm["kind"] == "ServiceMonitor" and sm["spec"]["jobLabel"] == "k8s-app"
+        monitored.add(sm["spec"]["selector"]["matchLabels"]["k8s-app"])
         svc = jobs[sm["spec"]["selector"]["matchLabels"]["k8s-app"]]
         assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
         assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
         assert "k8s-app" in sm["spec"]["targetLabels"]       # coredns-mixin's k8s_app="kube-dns"
+    assert monitored == set(jobs)                            # a ServiceMonitor for each job
 
     values = yaml.safe_load((MONITORING / "kube-prometheus-stack-values.yaml").read_text())
     assert values["coreDns"]["service"]["selector"].items() <= pod_labels.items()

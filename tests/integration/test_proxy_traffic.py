@@ -64,12 +64,10 @@ def test_session_affinity_pins_a_client(proxy, cluster):
 
 
 def test_service_without_endpoints_is_refused_at_once(proxy, cluster):
-    start = time.monotonic()
     tcp = cluster.connect("client", "tcp", EMPTY, 80, 3, timeout=3)
     udp = cluster.connect("client", "udp", EMPTY, 53, 3, timeout=3)
-    assert tcp.verdict() == ("refused",), tcp
+    assert tcp.verdict() == ("refused",), tcp   # rejected (RST / ICMP), not dropped: no "timeout"
     assert udp.verdict() == ("refused",), udp
-    assert time.monotonic() - start < 2.5   # refused, not timed out
 
 
 def test_health_check_node_port(proxy, cluster):

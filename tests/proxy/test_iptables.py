@@ -500,7 +500,9 @@ def test_stale_chains_are_deleted():
 
 def test_jump_rules_match_full_text():
     text = iptables.render(kube_proxy_state(), KUBE_PROXY_CFG, 4).text
-    for table, chain, spec in iptables.jump_rules(KUBE_PROXY_CFG, 4):
+    jumps = iptables.jump_rules(KUBE_PROXY_CFG, 4)
+    assert {chain for _, chain, _ in jumps} >= {"PREROUTING", "OUTPUT", "POSTROUTING", "FORWARD", "INPUT"}
+    for table, chain, spec in jumps:
         assert f"-I {chain} {spec}" in parse(text)[table][1][chain]
     text = iptables.render(kube_proxy_state(), KUBE_PROXY_CFG, 4, jumps=False).text
     assert "-I " not in text

@@ -112,6 +112,7 @@ def test_partial_syncs_equal_a_fresh_full_render(namespaces, backend):
 
     asyncio.run(go())
     # every partial text wrote less than the top-level chains whole
+    assert written
     for delta, whole in written:
         assert delta["nat"] < whole["nat"] and delta["filter"] < whole["filter"], (delta, whole)
 
