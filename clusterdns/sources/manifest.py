@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
+from .. import forked
 from ..errors import ManifestError
 from ..lifetime import gc_paused, retain
 from ..model import KINDS
@@ -323,21 +324,6 @@ SPLIT_MIN_BYTES = 4 * 1024 * 1024
 _ITEMS_END = re.compile(r"\n(?:[^ \n#-]|-[^ \n])")
 
 
-def _idle_cpu(loadavg: str = "/proc/loadavg") -> bool:
-    """Whether a CPU this process may use is idle now (no other runnable task in
-    /proc/loadavg's count): the halves only pay (their pickled records cost ~0.1 s)
-    when the child gets a CPU of its own."""
-    cpus = len(os.sched_getaffinity(0))
-    if cpus < 2:
-        return False
-    try:
-        with open(loadavg, "rb") as fh:
-            running = int(fh.read().split()[3].split(b"/")[0])   # runnable tasks, this one included
-    except (OSError, ValueError, IndexError):
-        return False
-    return running < cpus
-
-
 def _split_points(text: str) -> tuple[int, int, int] | None:
     """(start of the items, start of the second half's first item, end of the items)."""
     if text.startswith("items:\n"):
@@ -359,11 +345,8 @@ def _split_points(text: str) -> tuple[int, int, int] | None:
 
 def _parse_in_halves(raw: bytes, path: str, limits: Limits) -> tuple[list, list[Skipped]] | None:
     """parse_documents + records_from_documents in two processes, or None (then the caller
-    does it whole). Only in a process of one thread: a fork copies no other thread."""
-    if len(raw) < SPLIT_MIN_BYTES or yaml_rs is None or not hasattr(os, "fork") or not _idle_cpu():
-        return None
-    import threading
-    if threading.active_count() != 1:
+    does it whole)."""
+    if len(raw) < SPLIT_MIN_BYTES or yaml_rs is None or not forked.worth_forking():
         return None
     try:
         text = raw.decode("utf-8")
@@ -384,53 +367,34 @@ def _parse_in_halves(raw: bytes, path: str, limits: Limits) -> tuple[list, list[
     # Each half within half the limits: the two together stay within what the whole may hold.
     half = Limits(max_bytes=limits.max_bytes, max_objects=limits.max_objects // 2,
                   max_alias_nodes=limits.max_alias_nodes // 2, allow_shrink=limits.allow_shrink)
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:   # the child: the second half's items, as records; then it exits at once
-        code = 1
-        try:
-            os.close(rfd)
-            got: Any = ("failed",)
-            try:
-                items = _load_yaml(text[mid:end], half)
-                # every "- " line at column 0 an item: the split was at an item's start
-                if isinstance(items, list) and len(items) == text.count("\n- ", mid - 1, end):
-                    got = ("ok", records_from_documents([{"kind": "List", "items": items}], path, half))
-            except (ManifestError, RecursionError, ValueError, TypeError):
-                pass
-            data = pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)
-            with os.fdopen(wfd, "wb") as out:
-                out.write(data)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(wfd)
+
+    def second_half() -> tuple[list, list[Skipped]] | None:
+        items = _load_yaml(text[mid:end], half)
+        # every "- " line at column 0 an item: the split was at an item's start
+        if not isinstance(items, list) or len(items) != text.count("\n- ", mid - 1, end):
+            return None
+        return records_from_documents([{"kind": "List", "items": items}], path, half)
+
+    child = forked.Child(second_half)
     mine: tuple[list, list[Skipped]] | None = None
+    theirs: tuple[list, list[Skipped]] | None = None
     try:
-        try:
-            docs = _load_yaml(text[:mid] + text[end:], half)
-            doc = docs[0] if len(docs) == 1 else None
-            if isinstance(doc, dict) and isinstance(doc.get("kind"), str) and doc["kind"].endswith("List") \
-                    and isinstance(doc.get("items"), list) \
-                    and len(doc["items"]) == text.count("\n- ", start - 1, mid):
-                mine = records_from_documents(docs, path, half)
-                retain(docs)
-        except ManifestError:
-            pass
-        with os.fdopen(rfd, "rb") as fh:
-            data = fh.read()
+        docs = _load_yaml(text[:mid] + text[end:], half)
+        doc = docs[0] if len(docs) == 1 else None
+        if isinstance(doc, dict) and isinstance(doc.get("kind"), str) and doc["kind"].endswith("List") \
+                and isinstance(doc.get("items"), list) and len(doc["items"]) == text.count("\n- ", start - 1, mid):
+            mine = records_from_documents(docs, path, half)
+            retain(docs)
+    except ManifestError:
+        pass
     finally:
-        _, status = os.waitpid(pid, 0)
-    if mine is None or status != 0 or not data:
+        try:
+            theirs = child.result()
+        except forked.ChildFailed:
+            pass
+    if mine is None or theirs is None:
         return None
-    try:
-        theirs = pickle.loads(data)
-    except (pickle.UnpicklingError, EOFError):
-        return None
-    if theirs[0] != "ok":
-        return None
-    records, skipped = theirs[1]
-    return mine[0] + records, mine[1] + skipped
+    return mine[0] + theirs[0], mine[1] + theirs[1]
 
 
 

@@ -6,6 +6,7 @@ import threading
 import pytest
 import yaml
 
+from clusterdns import forked
 from clusterdns.errors import ManifestError
 from clusterdns.sources import manifest
 from clusterdns.sources.manifest import DEFAULT_LIMITS, Limits, parse_documents, records_from_documents
@@ -16,7 +17,7 @@ from clusterdns.synthetic import synthetic_records, to_manifest
 def halves(monkeypatch):
     """Splitting on, whatever the file's size and the machine's load."""
     monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(manifest, "_idle_cpu", lambda: True)
+    monkeypatch.setattr(forked, "idle_cpu", lambda: True)
 
 
 def whole(raw: bytes, path: str, limits=DEFAULT_LIMITS):
@@ -132,9 +133,9 @@ def test_json_and_small_or_busy_cases_stay_whole(halves, monkeypatch):
     finally:
         stop.set()
         other.join()
-    monkeypatch.setattr(manifest, "_idle_cpu", lambda: False)
+    monkeypatch.setattr(forked, "idle_cpu", lambda: False)
     assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
-    monkeypatch.setattr(manifest, "_idle_cpu", lambda: True)
+    monkeypatch.setattr(forked, "idle_cpu", lambda: True)
     monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", len(raw) + 1)
     assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
 
@@ -148,5 +149,5 @@ def test_json_and_small_or_busy_cases_stay_whole(halves, monkeypatch):
 def test_idle_cpu_reads_the_run_queue(tmp_path, monkeypatch, loadavg, cpus, idle):
     path = tmp_path / "loadavg"
     path.write_text(loadavg)
-    monkeypatch.setattr(manifest.os, "sched_getaffinity", lambda pid: cpus)
-    assert manifest._idle_cpu(str(path)) is idle
+    monkeypatch.setattr(forked.os, "sched_getaffinity", lambda pid: cpus)
+    assert forked.idle_cpu(str(path)) is idle
