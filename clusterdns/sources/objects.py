@@ -9,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from dataclasses import fields
 from datetime import datetime
 from typing import Any, Callable
 
@@ -50,24 +49,6 @@ _IANA_SVC_NAME = re.compile(r"(?=.{1,15}\Z)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*\Z")
 # Label values: at most 63, alphanumerics at both ends, -_. inside.
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?\Z")
 TRAFFIC_POLICIES = ("Cluster", "Local")
-
-
-def _maker(cls: type) -> Callable[..., Any]:
-    """cls(*every field) without the frozen dataclass __init__, which sets each field through
-    object.__setattr__: the slots' own setters take ~half the time (100,000 endpoints)."""
-    names = [f.name for f in fields(cls)]
-    env: dict[str, Any] = {"new": object.__new__, "cls": cls}
-    env.update({f"set_{n}": getattr(cls, n).__set__ for n in names})
-    body = "".join(f"    set_{n}(o, {n})\n" for n in names)
-    exec(f"def make({', '.join(names)}):\n    o = new(cls)\n{body}    return o\n", env)
-    return env["make"]
-
-
-_new_endpoint = _maker(Endpoint)
-_new_slice = _maker(EndpointSlice)
-_new_endpoint_port = _maker(EndpointPort)
-_new_service = _maker(Service)
-_new_service_port = _maker(ServicePort)
 
 
 class InvalidObject(ValueError):
@@ -263,7 +244,7 @@ def service_from_dict(obj: dict) -> Service:
         if (pname, proto) in seen:
             raise InvalidObject(f"{where}: duplicate port name {pname!r}/{proto}")
         seen.add((pname, proto))
-        ports.append(_new_service_port(pname, proto, port, node_port, target))
+        ports.append(ServicePort(pname, proto, port, node_port, target))
     ext_ips = tuple(_ip(v, f"spec.externalIPs[{i}]")
                     for i, v in enumerate(_get(spec, "externalIPs", list, [], where="spec")))
     lb_ips: list[str] = []
@@ -299,7 +280,7 @@ def service_from_dict(obj: dict) -> Service:
     hc = _port_number(spec.get("healthCheckNodePort", 0), "spec.healthCheckNodePort", allow_zero=True)
     topo = any(str(annotations.get(a, "")) not in ("", "disabled", "Disabled") for a in TOPOLOGY_ANNOTATIONS)
     topo = topo or bool(spec.get("trafficDistribution"))
-    return _new_service(
+    return Service(
         namespace=ns, name=name, type=stype, cluster_ips=tuple(cluster_ips),
         headless=headless and not cluster_ips, external_name=external_name,
         ports=tuple(ports), external_ips=ext_ips, lb_ips=tuple(lb_ips),
@@ -434,7 +415,7 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
                 zn = _opt_str(z, "name", f"{where}.forZones")
                 zones.append(_check_label(zn, _LABEL_VALUE, "zone", f"{where}.forZones"))
         hint_zones = tuple(zones)
-    return _new_endpoint(addresses, ready, serving, terminating, hostname, node_name, zone,
+    return Endpoint(addresses, ready, serving, terminating, hostname, node_name, zone,
                          hint_zones, pod_name, pod_ns)
 
 
@@ -463,10 +444,10 @@ def endpointslice_from_dict(obj: dict) -> EndpointSlice:
         if pname:
             _name(pname, _DNS1123_LABEL, "port name (DNS-1123 label)", f"{where}.name")
         port = p.get("port")
-        ports.append(_new_endpoint_port(
+        ports.append(EndpointPort(
             name=pname, protocol=_protocol(p.get("protocol"), where),
             port=None if port is None else _port_number(port, f"{where}.port")))
-    return _new_slice(ns, name, service, atype, endpoints, tuple(ports),
+    return EndpointSlice(ns, name, service, atype, endpoints, tuple(ports),
                          _parse_time(annotations.get(TRIGGER_TIME_ANNOTATION)))
 
 

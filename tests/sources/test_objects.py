@@ -211,24 +211,3 @@ def test_ipv6_addresses_are_canonicalised():
     sl = with_(with_(SLICE, ["addressType"], "IPv6"), ["endpoints"], [{"addresses": ["FD00:0::01"]}])
     assert convert("EndpointSlice", sl).endpoints[0].addresses == ("fd00::1",)
 
-
-def test_records_built_without_the_dataclass_init_equal_the_usual_ones():
-    import dataclasses
-
-    from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
-    from clusterdns.sources.objects import _maker
-    ep = Endpoint(("10.0.0.1",), True, False, True, "h", "node-0", "zone-a", ("zone-a",), "pod", "ns")
-    samples = [
-        ep,
-        EndpointPort("http", "TCP", 8080),
-        ServicePort("http", "UDP", 53, 30053, "dns"),
-        EndpointSlice("ns", "s-1", "svc", "IPv4", (ep,), (EndpointPort("", "TCP", None),), 12.5),
-        Service("ns", "svc", "NodePort", ("10.96.0.1",), False, "", (ServicePort("", "TCP", 80),),
-                ("192.0.2.1",), (), (), 30, True, False, 0, True, "other", (("a", "b"),)),
-    ]
-    for want in samples:
-        cls = type(want)
-        got = _maker(cls)(*(getattr(want, f.name) for f in dataclasses.fields(cls)))
-        assert type(got) is cls and got == want and hash(got) == hash(want)
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            setattr(got, dataclasses.fields(cls)[0].name, "changed")
