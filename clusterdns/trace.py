@@ -584,7 +584,7 @@ def _nft_port(nft, table, objs, info, cat) -> dict:
             bucket, index = slot
             map_name = nft.endpoints_map(bucket)
             lo_slot, hi_slot = index * nft.SLOT, (index + 1) * nft.SLOT - 1
-            for set_name, key, stored in objs.elements:
+            for set_name, key, stored in objs.range_elements():
                 elem = nft.element_of(stored)
                 if set_name != map_name or not lo_slot <= elem.key[0] <= hi_slot:
                     continue

@@ -35,7 +35,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from ..config import Config
 from ..state import ClusterState
@@ -144,18 +144,193 @@ def shares(count: int, offset: int = 0) -> list[tuple[int, int]]:
 class Objects:
     """Chains, sets and elements that one owner (the base layout, or one Service) puts in the table.
 
-    `shared_sets` and `shared_elements` may also come from other owners (the
-    bucket maps, the hairpin pairs): the table holds them while any owner does.
-    `slot_keys` are the endpoint-map slots the owner uses.
+    `shared_sets` (the bucket maps) may also come from other owners: the table
+    holds them while any owner does. The two kinds of element there are
+    100,000s of are kept compactly, as what they are made of (the elements
+    are made when read, see `range_elements`): `ranges`, each slot's
+    endpoints (endpoint map, slot offset, endpoints with .ip and .port), and
+    `hairpin`, the endpoint addresses whose `a . a` pair the owner adds to the
+    shared hairpin set. `slot_keys` are the endpoint-map slots the owner uses.
     """
     chains: Mapping[str, tuple[Rule, ...]] = field(default_factory=dict)  # chain -> rules, in order
     chain_decls: Mapping[str, BaseChain | None] = field(default_factory=dict)
     sets: Mapping[str, SetDecl] = field(default_factory=dict)
     elements: tuple[tuple[str, str, tuple], ...] = ()                     # (set, key text, element_of-able)
     shared_sets: Mapping[str, SetDecl] = field(default_factory=dict)
-    shared_elements: tuple[tuple[str, str, tuple], ...] = ()
+    ranges: tuple[tuple[str, int, tuple], ...] = ()                       # (endpoint map, offset, endpoints)
+    hairpin: tuple[str, ...] = ()
     slot_keys: tuple[tuple, ...] = ()
     slots: tuple[tuple[int, int], ...] = ()                               # (bucket, slot) of each slot key
+
+    def range_elements(self) -> Iterator[tuple[str, str, tuple]]:
+        """(endpoint map, key text, element) of each endpoint-map element, as `elements` holds the others."""
+        for name, offset, endpoints in self.ranges:
+            yield from _slot_elements(name, offset, endpoints)
+
+    def hairpin_elements(self) -> Iterator[tuple[str, str, tuple]]:
+        for ip in self.hairpin:
+            yield _hairpin_element(ip)
+
+
+def _slot_elements(name: str, offset: int, endpoints) -> Iterator[tuple[str, str, tuple]]:
+    """The interval elements of one slot: its even shares, in order, each to one endpoint."""
+    count = len(endpoints)
+    for i, ep in enumerate(endpoints):
+        lo, hi = offset + i * SLOT // count, offset + (i + 1) * SLOT // count - 1
+        key = f"{lo}-{hi}"
+        # stored(...) inlined: 100,000 of these per full load at 10,000 Services
+        yield name, key, (True, "", f"{key} : {ep.ip} . {ep.port}", 2, ep.ip, ep.port, lo, hi)
+
+
+def _hairpin_element(ip: str) -> tuple[str, str, tuple]:
+    pair = f"{ip} . {ip}"
+    return HAIRPIN, pair, (False, "", pair, 0, "", "", ip, ip)
+
+
+def _bulk(name: str) -> bool:
+    """A set whose elements the state derives from its owners' compact data (not kept one by one)."""
+    return name == HAIRPIN or name.startswith(ENDPOINTS_PREFIX)
+
+
+class _Elements(Mapping):
+    """NftState.elements: set name -> (key text -> element_of-able).
+
+    `plain` holds the elements of most sets; for the bulk ones (_bulk: the
+    endpoint maps, the hairpin set) it holds None and the elements are read
+    from the owners' ranges (through the slots of `buckets`) or from
+    `hairpin` (address -> number of owners), made when asked. Keeping
+    220,000 elements one by one at 10,000 Services cost ~80 MB.
+    """
+    __slots__ = ("plain", "owned", "buckets", "hairpin")
+
+    def __init__(self, plain: Mapping, owned: Mapping, buckets: Mapping, hairpin: Mapping) -> None:
+        self.plain, self.owned, self.buckets, self.hairpin = plain, owned, buckets, hairpin
+
+    def __getitem__(self, name: str) -> Mapping:
+        elems = self.plain[name]
+        if elems is None:
+            if name == HAIRPIN:
+                return _HairpinView(self.hairpin)
+            return _RangeView(name, self.owned, self.buckets)
+        return elems
+
+    def __contains__(self, name) -> bool:
+        return name in self.plain
+
+    def __iter__(self):
+        return iter(self.plain)
+
+    def __len__(self) -> int:
+        return len(self.plain)
+
+    def __repr__(self) -> str:
+        return repr({k: dict(v) for k, v in self.items()})
+
+
+class _HairpinView(Mapping):
+    __slots__ = ("refs",)
+
+    def __init__(self, refs: Mapping[str, int]) -> None:
+        self.refs = refs
+
+    def __getitem__(self, key: str) -> tuple:
+        ip, sep, other = key.partition(" . ")
+        if not sep or ip != other or ip not in self.refs:
+            raise KeyError(key)
+        return _hairpin_element(ip)[2]
+
+    def __iter__(self):
+        for ip in self.refs:
+            yield f"{ip} . {ip}"
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def values(self):
+        return _Values(self, lambda: (_hairpin_element(ip)[2] for ip in self.refs))
+
+    def items(self):
+        return _Values(self, lambda: (_hairpin_element(ip)[1:] for ip in self.refs))
+
+
+class _RangeView(Mapping):
+    """One endpoint map's elements, from the ranges of the owners of its slots."""
+    __slots__ = ("name", "owned", "members")
+
+    def __init__(self, name: str, owned: Mapping, buckets: Mapping) -> None:
+        proto, _, number = name[len(ENDPOINTS_PREFIX):].rpartition("-")
+        self.name, self.owned = name, owned
+        self.members = buckets.get((proto, int(number)), {}) if number.isdigit() else {}
+
+    def _slot(self, slot_key: tuple, index: int) -> tuple | None:
+        objs = self.owned.get((slot_key[0], slot_key[1]))
+        if objs is not None:
+            offset = index * SLOT
+            for name, off, endpoints in objs.ranges:
+                if off == offset and name == self.name:
+                    return endpoints
+        return None
+
+    def _elements(self) -> Iterator[tuple[str, str, tuple]]:
+        # as a full render adds them: owners in key order, each owner's slots in its order
+        owners = sorted({(sk[0], sk[1]) for sk in self.members})
+        for owner in owners:
+            objs = self.owned.get(owner)
+            if objs is not None:
+                for name, offset, endpoints in objs.ranges:
+                    if name == self.name:
+                        yield from _slot_elements(name, offset, endpoints)
+
+    def __getitem__(self, key: str) -> tuple:
+        lo_text, sep, hi_text = key.partition("-")
+        if not sep or not lo_text.isdigit() or not hi_text.isdigit():
+            raise KeyError(key)
+        lo = int(lo_text)
+        index = lo // SLOT
+        for sk, i in self.members.items():
+            if i == index:
+                endpoints = self._slot(sk, i)
+                if endpoints:
+                    for _, k, elem in _slot_elements(self.name, index * SLOT, endpoints):
+                        if k == key:
+                            return elem
+        raise KeyError(key)
+
+    def __iter__(self):
+        return (k for _, k, _ in self._elements())
+
+    def __len__(self) -> int:
+        return sum(len(e) for sk, i in self.members.items() if (e := self._slot(sk, i)))
+
+    def values(self):
+        return _Values(self, lambda: (e for _, _, e in self._elements()))
+
+    def items(self):
+        return _Values(self, lambda: ((k, e) for _, k, e in self._elements()))
+
+
+class _Values:
+    """A re-iterable, sized sequence of a view's elements, made as it is read (an operation's
+    body: encoding a full load element by element keeps no list of them all)."""
+    __slots__ = ("view", "make")
+
+    def __init__(self, view: Mapping, make) -> None:
+        self.view, self.make = view, make
+
+    def __iter__(self):
+        return self.make()
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __bool__(self) -> bool:
+        return len(self.view) > 0
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
 
 
 @dataclass(frozen=True)
@@ -165,7 +340,8 @@ class NftState:
     The mappings are never mutated once built. `owned` records which objects
     each Service contributed, so a sync that knows which Services changed
     rebuilds only those; `refs` counts the owners of shared sets and
-    elements; `buckets` maps each endpoint map's slot keys to their slots;
+    elements (`hairpin`: of the hairpin pairs, by address); `buckets` maps
+    each endpoint map's slot keys to their slots;
     `context` is what every Service's objects depend on besides the Service
     itself (base layout, node, options): when it changes, a sync rebuilds
     everything.
@@ -179,6 +355,7 @@ class NftState:
     context: tuple = ()
     refs: Mapping[tuple, int] = field(default_factory=dict)
     buckets: Mapping[tuple[str, int], Mapping[tuple, int]] = field(default_factory=dict)
+    hairpin: Mapping[str, int] = field(default_factory=dict)   # endpoint address -> owners of its pair
 
     def summary(self) -> dict[str, int]:
         return {"chains": len(self.chains), "rules": sum(len(r) for r in self.chains.values()),
@@ -227,7 +404,8 @@ class _Builder:
         self.sets: dict[str, SetDecl] = {}
         self.elements: list[tuple[str, str, tuple]] = []
         self.shared_sets: dict[str, SetDecl] = {}
-        self.shared_elements: list[tuple[str, str, tuple]] = []
+        self.ranges: list[tuple[str, int, tuple]] = []
+        self.hairpin: list[str] = []
 
     def chain(self, name: str, decl: BaseChain | None = None) -> list[Rule]:
         rules = self.chains.get(name)
@@ -245,18 +423,24 @@ class _Builder:
 
     def objects(self, slot_keys: tuple = (), slots: tuple = ()) -> Objects:
         return Objects({k: tuple(v) for k, v in self.chains.items()}, self.chain_decls, self.sets,
-                       tuple(self.elements), self.shared_sets, tuple(self.shared_elements), slot_keys, slots)
+                       tuple(self.elements), self.shared_sets, tuple(self.ranges), tuple(self.hairpin),
+                       slot_keys, slots)
 
 
 def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects], context: tuple,
-           buckets: Mapping[tuple[str, int], Mapping[tuple, int]] | None = None) -> NftState:
+           buckets: Mapping[tuple[str, int], Mapping[tuple, int]] | None = None,
+           partial: bool = False) -> NftState:
+    """The state of a table holding base and owned. partial: a side of a diff (_partial), whose
+    owners are not keyed by Service and whose elements are all kept one by one, in plain dicts."""
     chains: dict[str, tuple[Rule, ...]] = dict(base.chains)
     decls: dict[str, BaseChain | None] = dict(base.chain_decls)
     sets: dict[str, SetDecl] = dict(base.sets)
-    elements: dict[str, dict[str, tuple]] = {name: {} for name in sets}
+    elements: dict[str, dict[str, tuple] | None] = {
+        name: None if _bulk(name) and not partial else {} for name in sets}
     refs: dict[tuple, int] = {}
+    hairpin: dict[str, int] = {}
     for name, key, text in base.elements:
-        elements[name][key] = text
+        elements[name][key] = text                      # type: ignore[index]
     for key in sorted(owned):
         objs = owned[key]
         chains.update(objs.chains)
@@ -268,18 +452,27 @@ def _merge(family: int, base: Objects, owned: Mapping[tuple[str, str], Objects],
             rk = ("set", name)
             if rk not in refs:
                 sets[name] = spec
-                elements.setdefault(name, {})
+                elements.setdefault(name, {} if partial else None)
             refs[rk] = refs.get(rk, 0) + 1
         for name, ekey, text in objs.elements:
-            elements.setdefault(name, {})[ekey] = text
-        for name, ekey, text in objs.shared_elements:
-            rk = (name, ekey)
-            if rk not in refs:
-                elements.setdefault(name, {})[ekey] = text
-            refs[rk] = refs.get(rk, 0) + 1
+            elements.setdefault(name, {})[ekey] = text  # type: ignore[index]
+        for ip in objs.hairpin:
+            hairpin[ip] = hairpin.get(ip, 0) + 1
+        if partial:
+            for name, ekey, text in objs.range_elements():
+                elements.setdefault(name, {})[ekey] = text  # type: ignore[index]
+    if partial:
+        if hairpin:
+            side = elements.setdefault(HAIRPIN, {})
+            for ip in hairpin:
+                _, ekey, text = _hairpin_element(ip)
+                side[ekey] = text                       # type: ignore[index]
+        return NftState(family, chains, decls, sets, elements, owned, context, refs, buckets or {},  # type: ignore[arg-type]
+                        hairpin)
     if buckets is None:
         buckets = _buckets((key, objs.slot_keys) for key, objs in owned.items())
-    return NftState(family, chains, decls, sets, elements, owned, context, refs, buckets)
+    return NftState(family, chains, decls, sets, _Elements(elements, owned, buckets, hairpin), owned, context,
+                    refs, buckets, hairpin)
 
 
 def _buckets(slot_keys: Iterable[tuple[tuple[str, str], tuple]]) -> dict[tuple[str, int], dict[tuple, int]]:
@@ -416,14 +609,21 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
     chains = _Layered.derive(previous.chains)
     decls = _Layered.derive(previous.chain_decls)
     sets = _Layered.derive(previous.sets)
-    elements = _Layered.derive(previous.elements)
+    prev_elements = previous.elements
+    # the bulk sets' elements follow from owned, buckets and hairpin: only the others are kept
+    elements = _Layered.derive(prev_elements.plain if isinstance(prev_elements, _Elements) else prev_elements)
     owned = _Layered.derive(previous.owned)
     refs = _Layered.derive(previous.refs)
+    hairpin = _Layered.derive(previous.hairpin)
     copied: set[str] = set()
 
-    def writable(name: str) -> _Layered:
+    def writable(name: str) -> _Layered | None:
+        if _bulk(name):
+            if elements.get(name, 0) is not None:
+                elements[name] = None
+            return None
         if name not in copied:
-            elements[name] = _Layered.derive(elements.get(name, {}))
+            elements[name] = _Layered.derive(elements.get(name) or {})
             copied.add(name)
         return elements[name]  # type: ignore[return-value]
 
@@ -440,15 +640,13 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
             copied.discard(name)
         for name, ekey, _ in old.elements:
             if name in elements:
-                writable(name).pop(ekey, None)
-        for name, ekey, _ in old.shared_elements:
-            count = refs.get((name, ekey), 0) - 1
+                writable(name).pop(ekey, None)   # type: ignore[union-attr]
+        for ip in old.hairpin:
+            count = hairpin.get(ip, 0) - 1
             if count > 0:
-                refs[(name, ekey)] = count
+                hairpin[ip] = count
             else:
-                refs.pop((name, ekey), None)
-                if name in elements:
-                    writable(name).pop(ekey, None)
+                hairpin.pop(ip, None)
         for name in old.shared_sets:
             count = refs.get(("set", name), 0) - 1
             if count > 0:
@@ -475,22 +673,21 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
                 writable(name)
             refs[("set", name)] = count + 1
         for name, ekey, text in objs.elements:
-            writable(name)[ekey] = text
-        for name, ekey, text in objs.shared_elements:
-            count = refs.get((name, ekey), 0)
-            if not count:
-                writable(name)[ekey] = text
-            refs[(name, ekey)] = count + 1
+            writable(name)[ekey] = text          # type: ignore[index]
+        for ip in objs.hairpin:
+            hairpin[ip] = hairpin.get(ip, 0) + 1
     for name in copied:
         if name in elements:
             elements[name] = elements[name].settled()
-    return NftState(previous.family, chains.settled(), decls.settled(), sets.settled(), elements.settled(),
-                    owned.settled(), previous.context, refs.settled(), buckets)
+    owned_now, hairpin_now = owned.settled(), hairpin.settled()
+    return NftState(previous.family, chains.settled(), decls.settled(), sets.settled(),
+                    _Elements(elements.settled(), owned_now, buckets, hairpin_now),
+                    owned_now, previous.context, refs.settled(), buckets, hairpin_now)
 
 
 def _partial(family: int, objs: list[Objects]) -> NftState:
     """A state holding only these objects: the two sides of a diff restricted to changed Services."""
-    return _merge(family, Objects(), {(str(i), ""): o for i, o in enumerate(objs)}, (), {})
+    return _merge(family, Objects(), {(str(i), ""): o for i, o in enumerate(objs)}, (), {}, partial=True)
 
 
 def _align_shared(old_side: NftState, new_side: NftState, previous: NftState, new: NftState) -> None:
@@ -860,10 +1057,7 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
         b.chain(fw_chain).append(rule(AddrIn(ipx, "saddr", tuple(sources), neg=True), Verdict("drop"))
                                  if sources else rule(Verdict("drop")))
 
-    hairpin = b.shared_elements
-    for ep in cat.reachable:
-        pair = f"{ep.ip} . {ep.ip}"
-        hairpin.append((HAIRPIN, pair, (False, "", pair, 0, "", "", ep.ip, ep.ip)))
+    b.hairpin += [ep.ip for ep in cat.reachable]     # the `ep . ep` pairs of the shared hairpin set
     if info.affinity_timeout:
         for ep in cat.reachable:
             ep_base = ep_bases[ep.endpoint]
@@ -890,11 +1084,9 @@ def _dispatch(b: _Builder, rules: list[Rule], info: ServicePortInfo, endpoints, 
     b.shared_sets[name] = SetDecl("map", typeof=f"numgen random mod {SLOT} : {ipx} daddr . {info.protocol} dport",
                                   flags="interval")
     rules.append(rule(DnatMap(info.protocol, SLOT, offset, name)))
-    elements = b.elements
-    for (lo, hi), ep in zip(shares(len(endpoints), offset) if endpoints else (), endpoints):
-        key = f"{lo}-{hi}"
-        # stored(...) inlined: 100,000 of these per full render at 10,000 Services
-        elements.append((name, key, (True, "", f"{key} : {ep.ip} . {ep.port}", 2, ep.ip, ep.port, lo, hi)))
+    if endpoints:
+        # the endpoints themselves (shared with servicemap's cache): the elements are made when read
+        b.ranges.append((name, offset, endpoints))
 
 
 def endpoint_share(text_key: str) -> float:
@@ -931,7 +1123,9 @@ def _rules_and_elements(ops: list[Op], new: NftState) -> None:
     # 220,000 commands at 10,000 Services, each looking the set up by name in the kernel)
     for name, elems in new.elements.items():
         if elems:
-            ops.append(Op("add", "element", name, tuple(elems.values())))
+            # a bulk set's elements are made as the operation is encoded, not all kept at once
+            values = elems.values()
+            ops.append(Op("add", "element", name, values if isinstance(values, _Values) else tuple(values)))
 
 
 def resync_ops(old: NftState, new: NftState) -> list[Op]:
