@@ -13,6 +13,7 @@ from clusterdns.model import (
     ServicePort,
 )
 from clusterdns.state import StateStore
+from tests.common import http_get, shown_eps, shown_ips
 from tests.netutil import free_port
 
 PORT = ServicePort("http", "TCP", 8080, target_port=8080)
@@ -27,16 +28,6 @@ def eps(name, *ips, trigger=None, ready=True):
     return EndpointSlice("ns", f"{name}-abc", name, "IPv4",
                          tuple(Endpoint((ip,), ready=ready) for ip in ips),
                          (EndpointPort("http", "TCP", 8080),), trigger)
-
-
-def view_ips(view, name):
-    s = view.current.services.get(("ns", name))
-    return s.cluster_ips if s else None
-
-
-def view_eps(view, name):
-    return sorted(a for sl in view.current.slices_for("ns", name) for e in sl.endpoints if e.ready
-                  for a in e.addresses)
 
 
 def test_needs_rules():
@@ -55,13 +46,13 @@ def test_new_service_waits_for_rules_then_appears():
     store.upsert("Namespace", Namespace("ns"))
     store.upsert("Service", svc("a"))
     store.upsert("EndpointSlice", eps("a", "10.0.0.1"))
-    assert view_ips(view, "a") is None          # no rules yet: not in DNS
+    assert shown_ips(view, "a") is None          # no rules yet: not in DNS
     assert view.current.namespaces == store.current.namespaces   # other kinds follow at once
     view.applied(store.current.version - 1)     # an older sync (service, no slice yet)
-    assert view_ips(view, "a") == ("10.96.0.5",)
-    assert view_eps(view, "a") == []             # its endpoint is not routed yet
+    assert shown_ips(view, "a") == ("10.96.0.5",)
+    assert shown_eps(view, "a") == []             # its endpoint is not routed yet
     view.applied(store.current.version)
-    assert view_eps(view, "a") == ["10.0.0.1"]
+    assert shown_eps(view, "a") == ["10.0.0.1"]
     assert any(("ns", "a") in d for d in seen)
 
 
@@ -74,13 +65,13 @@ def test_delete_and_endpoint_removal_leave_dns_first():
         store.upsert("Service", svc("b", "10.96.0.6"))
     view.applied(store.current.version)
     store.upsert("EndpointSlice", eps("a", "10.0.0.2"))          # 10.0.0.1 went away
-    assert view_eps(view, "a") == ["10.0.0.2"]                    # before any sync
+    assert shown_eps(view, "a") == ["10.0.0.2"]                    # before any sync
     store.upsert("EndpointSlice", eps("a", "10.0.0.2", "10.0.0.3"))
-    assert view_eps(view, "a") == ["10.0.0.2"]                    # a new one waits for rules
+    assert shown_eps(view, "a") == ["10.0.0.2"]                    # a new one waits for rules
     store.delete("Service", ("ns", "b"))
-    assert view_ips(view, "b") is None                           # deleted: gone from DNS at once
+    assert shown_ips(view, "b") is None                           # deleted: gone from DNS at once
     view.applied(store.current.version)
-    assert view_eps(view, "a") == ["10.0.0.2", "10.0.0.3"]
+    assert shown_eps(view, "a") == ["10.0.0.2", "10.0.0.3"]
 
 
 def test_clusterip_change_keeps_old_address_until_synced():
@@ -89,9 +80,9 @@ def test_clusterip_change_keeps_old_address_until_synced():
     store.upsert("Service", svc("a", "10.96.0.5"))
     view.applied(store.current.version)
     store.upsert("Service", svc("a", "10.96.0.9"))
-    assert view_ips(view, "a") == ("10.96.0.5",)   # the old address still has its rules
+    assert shown_ips(view, "a") == ("10.96.0.5",)   # the old address still has its rules
     view.applied(store.current.version)
-    assert view_ips(view, "a") == ("10.96.0.9",)
+    assert shown_ips(view, "a") == ("10.96.0.9",)
 
 
 def test_services_without_rules_follow_the_store():
@@ -100,7 +91,7 @@ def test_services_without_rules_follow_the_store():
     store.upsert("Service", svc("h", ip=None, headless=True))
     store.upsert("EndpointSlice", eps("h", "10.0.0.7"))
     store.upsert("Service", Service("ns", "ext", EXTERNAL_NAME, external_name="db.example.com"))
-    assert view_eps(view, "h") == ["10.0.0.7"]
+    assert shown_eps(view, "h") == ["10.0.0.7"]
     assert ("ns", "ext") in view.current.services
     # a Service turning into an ExternalName leaves its ClusterIP in DNS at once
     store.upsert("Service", svc("a"))
@@ -151,7 +142,7 @@ def test_follow_mode_serves_every_version_at_once():
     assert ("ns", "a") in view.current.services
     store.upsert("Service", svc("b", "10.96.0.6"))
     store.upsert("EndpointSlice", eps("b", "10.0.0.4"))
-    assert view_ips(view, "b") == ("10.96.0.6",) and view_eps(view, "b") == ["10.0.0.4"]
+    assert shown_ips(view, "b") == ("10.96.0.6",) and shown_eps(view, "b") == ["10.0.0.4"]
     store.delete("Service", ("ns", "a"))
     assert ("ns", "a") not in view.current.services
 
@@ -193,7 +184,6 @@ def test_dns_programming_duration_observed_when_served():
 
 import asyncio  # noqa: E402
 
-import aiohttp  # noqa: E402
 import dns.asyncquery  # noqa: E402
 import dns.exception  # noqa: E402
 import dns.message  # noqa: E402
@@ -353,12 +343,6 @@ async def test_proxy_mode_none_follows_the_store(tmp_path):
         await agent.stop()
 
 
-async def _get(port, path):
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://127.0.0.1:{port}{path}") as r:
-            return r.status, await r.text()
-
-
 async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
     manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
     kernel = SlowKernel()
@@ -367,21 +351,21 @@ async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
     hport = agent.health.bound[0][1]
     try:
         assert await until(lambda: _has(agent.store.current, "a"))
-        status, text = await _get(hport, "/ready")
+        status, text = await http_get(hport, "/ready")
         assert status == 503 and "first rule sync not done" in text and "Service not synced" not in text
         # Nothing known to be in the kernel yet: SERVFAIL (try again), not NXDOMAIN.
         assert (await ask(port, A_NAME))[0] == "SERVFAIL"
         kernel.gate.set()
         assert await until(lambda: _ready(hport))
-        assert (await _get(hport, "/health"))[0] == 200
-        assert (await _get(hport, "/healthz"))[0] == 200
+        assert (await http_get(hport, "/health"))[0] == 200
+        assert (await http_get(hport, "/healthz"))[0] == 200
 
         agent.begin_shutdown()
         waiter = asyncio.ensure_future(agent.wait())
         await asyncio.sleep(0.1)
-        status, text = await _get(hport, "/ready")
+        status, text = await http_get(hport, "/ready")
         assert status == 503 and "lameduck" in text
-        assert (await _get(hport, "/health"))[0] == 200
+        assert (await http_get(hport, "/health"))[0] == 200
         assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]   # still answering
         # The proxier stopped at the signal: a Service added now gets no rules from this
         # process (its successor programs it), while the source still follows the change.
@@ -397,7 +381,7 @@ async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
 
 
 async def _ready(hport):
-    return (await _get(hport, "/ready"))[0] == 200
+    return (await http_get(hport, "/ready"))[0] == 200
 
 
 async def test_ready_before_the_state_is_listed(tmp_path):
@@ -540,9 +524,9 @@ async def test_signals_in_a_real_process(tmp_path):
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         assert proc.poll() is None
-        status, text = await _get(hport, "/ready")
+        status, text = await http_get(hport, "/ready")
         assert status == 503 and "lameduck" in text
-        assert (await _get(hport, "/health"))[0] == 200
+        assert (await http_get(hport, "/health"))[0] == 200
         assert (await ask(port, A_NAME))[1] == ["10.96.0.5"]
         assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 10) == 0
     finally:

@@ -2,6 +2,7 @@
 from clusterdns.dnsview import DnsView
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort
 from clusterdns.state import StateStore
+from tests.common import shown_eps, shown_ips
 
 HTTP = ServicePort("http", "TCP", 80)
 DNS = ServicePort("dns", "UDP", 53)
@@ -19,16 +20,6 @@ def eps(name, *ips):
 def listed(store, services, slices):
     store.replace("Service", services)
     store.replace("EndpointSlice", slices)
-
-
-def shown(view, name):
-    s = view.current.services.get(("ns", name))
-    return s.cluster_ips if s else None
-
-
-def shown_eps(view, name):
-    return sorted(a for sl in view.current.slices_for("ns", name) for e in sl.endpoints if e.ready
-                  for a in e.addresses)
 
 
 KERNEL = {
@@ -50,28 +41,28 @@ def test_adopted_services_answer_before_the_first_sync():
                    svc("new", "10.96.0.10")],                         # created while down
            [eps("same", "10.0.0.1", "10.0.0.5"),                      # 10.0.0.2 gone, .5 new
             eps("empty")])
-    assert shown(view, "same") is None                                # nothing known yet
+    assert shown_ips(view, "same") is None                                # nothing known yet
     assert view.adopt(KERNEL, families=(4,)) == 2
     assert view.adopted == 2 and view.adopting
-    assert shown(view, "same") == ("10.96.0.5",)
+    assert shown_ips(view, "same") == ("10.96.0.5",)
     assert shown_eps(view, "same") == ["10.0.0.1"]      # only endpoints in both kernel and state
-    assert shown(view, "empty") == ("10.96.0.8",)
+    assert shown_ips(view, "empty") == ("10.96.0.8",)
     for name in ("moved", "more-ports", "new"):
-        assert shown(view, name) is None                # wait for the first sync
+        assert shown_ips(view, name) is None                # wait for the first sync
     assert view.current.synced == frozenset()           # unknown names stay SERVFAIL
 
     # Changes before the first sync are judged against the kernel too.
     store.upsert("Service", svc("same", "10.96.0.55"))
-    assert shown(view, "same") is None                  # its new address is not in the kernel
+    assert shown_ips(view, "same") is None                  # its new address is not in the kernel
     store.upsert("Service", svc("same", "10.96.0.5"))
-    assert shown(view, "same") == ("10.96.0.5",)
+    assert shown_ips(view, "same") == ("10.96.0.5",)
     store.delete("Service", ("ns", "empty"))
-    assert shown(view, "empty") is None and view.adopted == 1
+    assert shown_ips(view, "empty") is None and view.adopted == 1
 
     # The first sync replaces adoption: P decides, for every Service.
     view.applied(store.current.version)
     assert not view.adopting and view.adopted == 0
-    assert shown(view, "moved") == ("10.96.0.66",) and shown(view, "new") == ("10.96.0.10",)
+    assert shown_ips(view, "moved") == ("10.96.0.66",) and shown_ips(view, "new") == ("10.96.0.10",)
     assert shown_eps(view, "same") == ["10.0.0.1", "10.0.0.5"]
     assert view.current.is_synced("Service", "EndpointSlice")
 
@@ -82,7 +73,7 @@ def test_adopt_before_the_state_is_listed():
     view.adopt(KERNEL, families=(4,))
     assert view.adopting and view.adopted == 0
     listed(store, [svc("same", "10.96.0.5")], [eps("same", "10.0.0.2")])
-    assert shown(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == ["10.0.0.2"]
+    assert shown_ips(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == ["10.0.0.2"]
 
 
 def test_adopt_ignored_after_a_sync_and_in_follow_mode():
@@ -92,7 +83,7 @@ def test_adopt_ignored_after_a_sync_and_in_follow_mode():
     view.applied(store.current.version)
     store.upsert("Service", svc("b", "10.96.0.9"))
     assert view.adopt(KERNEL) == 0 and not view.adopting
-    assert shown(view, "b") is None                     # waits for its sync, whatever the kernel says
+    assert shown_ips(view, "b") is None                     # waits for its sync, whatever the kernel says
     follow = DnsView(StateStore(), follow=True)
     assert follow.adopt(KERNEL) == 0 and not follow.adopting
 
@@ -102,13 +93,13 @@ def test_families_not_programmed_are_not_looked_for():
     view = DnsView(store)
     listed(store, [svc("dual", "10.96.0.9", "fd00:96::9")], [])
     view.adopt(KERNEL, families=(4, 6))
-    assert shown(view, "dual") is None                  # the IPv6 proxier has nothing for it
+    assert shown_ips(view, "dual") is None                  # the IPv6 proxier has nothing for it
     view2 = DnsView(store)
     view2.adopt({**KERNEL, ("fd00:96:0::9", "TCP", 80): {"[fd00::1]:8080"}}, families=(4, 6))
-    assert shown(view2, "dual") == ("10.96.0.9", "fd00:96::9")   # addresses compared canonically
+    assert shown_ips(view2, "dual") == ("10.96.0.9", "fd00:96::9")   # addresses compared canonically
     view3 = DnsView(store)
     view3.adopt(KERNEL, families=(4,))
-    assert shown(view3, "dual") == ("10.96.0.9", "fd00:96::9")
+    assert shown_ips(view3, "dual") == ("10.96.0.9", "fd00:96::9")
 
 
 def test_unreadable_kernel_entries_are_skipped():
@@ -116,4 +107,4 @@ def test_unreadable_kernel_entries_are_skipped():
     view = DnsView(store)
     listed(store, [svc("same", "10.96.0.5")], [eps("same", "10.0.0.1")])
     view.adopt({("not-an-ip", "TCP", 80): {"x"}, ("10.96.0.5", "TCP", 80): {"garbage", "10.0.0.1:8080"}})
-    assert shown(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == ["10.0.0.1"]
+    assert shown_ips(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == ["10.0.0.1"]

@@ -10,12 +10,7 @@ from aiohttp import web
 
 from clusterdns.config import load
 from clusterdns.health import HealthServer
-
-
-async def get(port: int, path: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://127.0.0.1:{port}{path}") as r:
-            return r.status, await r.text()
+from tests.common import http_get
 
 
 async def test_health_ready_metrics_and_extra_routes():
@@ -30,19 +25,19 @@ async def test_health_ready_metrics_and_extra_routes():
     await srv.start()
     try:
         port = srv.bound[0][1]
-        assert await get(port, "/health") == (200, "OK")
-        status, body = await get(port, "/ready")
+        assert await http_get(port, "/health") == (200, "OK")
+        status, body = await http_get(port, "/ready")
         assert status == 503 and "dns" in body and "broken" in body
         state["synced"] = True
-        assert await get(port, "/ready") == (200, "OK")
+        assert await http_get(port, "/ready") == (200, "OK")
         srv.lameduck = True
-        assert await get(port, "/health") == (200, "OK")      # still alive
-        status, body = await get(port, "/ready")
+        assert await http_get(port, "/health") == (200, "OK")      # still alive
+        status, body = await http_get(port, "/ready")
         assert status == 503 and "lameduck" in body
-        status, body = await get(port, "/metrics")
+        status, body = await http_get(port, "/metrics")
         assert status == 200 and "clusterdns_state_version" in body and "process_cpu_seconds_total" in body
-        assert await get(port, "/livez") == (200, "ok")
-        assert (await get(port, "/nothing"))[0] == 404
+        assert await http_get(port, "/livez") == (200, "ok")
+        assert (await http_get(port, "/nothing"))[0] == 404
         with pytest.raises(RuntimeError):
             srv.add_route("/late", livez)
     finally:
@@ -93,13 +88,13 @@ async def test_each_series_on_one_listener_and_no_metrics_on_health():
     srv = HealthServer(cfg, roles=("dns", "proxy"))
     await srv.start()
     try:
-        assert await get(ports["health"], "/health") == (200, "OK")
-        assert (await get(ports["health"], "/metrics"))[0] == 404
-        status, dns_text = await get(ports["dns"], "/metrics")
+        assert await http_get(ports["health"], "/health") == (200, "OK")
+        assert (await http_get(ports["health"], "/metrics"))[0] == 404
+        status, dns_text = await http_get(ports["dns"], "/metrics")
         assert status == 200
-        status, proxy_text = await get(ports["proxy"], "/metrics")
+        status, proxy_text = await http_get(ports["proxy"], "/metrics")
         assert status == 200
-        assert (await get(ports["dns"], "/health"))[0] == 404
+        assert (await http_get(ports["dns"], "/health"))[0] == 404
         dns_f, proxy_f = _families(dns_text), _families(proxy_text)
         # Every scrape job sees the process's CPU and memory ...
         for f in (dns_f, proxy_f):
@@ -115,7 +110,7 @@ async def test_each_series_on_one_listener_and_no_metrics_on_health():
             in proxy_text
         assert "clusterdns_state_version" in proxy_f and "clusterdns_state_version" not in dns_f
         assert set(srv.bound_kinds) == {"health", "metrics", "proxy-metrics"}
-        assert await get(ports["proxy"], "/proxyMode") == (200, "iptables")   # kube-proxy's answer
+        assert await http_get(ports["proxy"], "/proxyMode") == (200, "iptables")   # kube-proxy's answer
     finally:
         await srv.stop()
 
@@ -125,10 +120,10 @@ async def test_without_a_proxy_the_shared_series_go_with_dns():
     srv = HealthServer(cfg, roles=("dns",))
     await srv.start()
     try:
-        text = (await get(ports["dns"], "/metrics"))[1]
+        text = (await http_get(ports["dns"], "/metrics"))[1]
         assert "clusterdns_state_version" in _families(text)
         with pytest.raises(aiohttp.ClientConnectionError):
-            await get(ports["proxy"], "/metrics")     # no kube-proxy listener at all
+            await http_get(ports["proxy"], "/metrics")     # no kube-proxy listener at all
     finally:
         await srv.stop()
 
@@ -142,8 +137,8 @@ async def test_metrics_and_health_on_one_address_share_a_server():
     assert srv.addresses == [("127.0.0.1", port)]
     await srv.start()
     try:
-        assert await get(port, "/health") == (200, "OK")
-        assert "kubeproxy_sync_proxy_rules_duration_seconds" in _families((await get(port, "/metrics"))[1])
+        assert await http_get(port, "/health") == (200, "OK")
+        assert "kubeproxy_sync_proxy_rules_duration_seconds" in _families((await http_get(port, "/metrics"))[1])
     finally:
         await srv.stop()
 
@@ -161,13 +156,13 @@ async def test_a_busy_proxy_metrics_port_is_retried_not_fatal(monkeypatch, caplo
         await srv.start()     # kube-proxy's behaviour: log and retry
         assert "proxy-metrics" not in srv.bound_kinds
         assert f"127.0.0.1:{ports['proxy']}" in caplog.text
-        assert await get(ports["health"], "/health") == (200, "OK")
+        assert await http_get(ports["health"], "/health") == (200, "OK")
         taken.close()
         for _ in range(100):
             if "proxy-metrics" in srv.bound_kinds:
                 break
             await asyncio.sleep(0.05)
-        assert (await get(ports["proxy"], "/metrics"))[0] == 200
+        assert (await http_get(ports["proxy"], "/metrics"))[0] == 200
     finally:
         taken.close()
         await srv.stop()
@@ -184,7 +179,7 @@ async def test_a_busy_dns_metrics_port_stops_the_start():
             await srv.start()
         # Nothing stays bound after the failed start.
         with pytest.raises(aiohttp.ClientConnectionError):
-            await get(ports["health"], "/health")
+            await http_get(ports["health"], "/health")
     finally:
         taken.close()
 
@@ -199,12 +194,12 @@ async def test_dns_and_proxy_metrics_on_one_address_serve_each_family_once():
     srv = HealthServer(cfg, roles=("dns", "proxy"))
     await srv.start()
     try:
-        text = (await get(port, "/metrics"))[1]
+        text = (await http_get(port, "/metrics"))[1]
         types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
         assert len(types) == len(set(types))          # process_* of both registries once
         assert {"coredns_build_info", "kubeproxy_sync_proxy_rules_duration_seconds",
                 "process_cpu_seconds_total", "clusterdns_state_version"} <= set(types)
-        assert (await get(port, "/health"))[0] == 404
+        assert (await http_get(port, "/health"))[0] == 404
     finally:
         await srv.stop()
 
@@ -224,13 +219,13 @@ async def test_with_reuse_port_a_port_held_without_it_is_waited_for(monkeypatch)
     try:
         await srv.start()
         assert "health" not in srv.bound_kinds
-        assert (await get(ports["dns"], "/metrics"))[0] == 200
+        assert (await http_get(ports["dns"], "/metrics"))[0] == 200
         taken.close()
         for _ in range(100):
             if "health" in srv.bound_kinds:
                 break
             await asyncio.sleep(0.05)
-        assert await get(ports["health"], "/health") == (200, "OK")
+        assert await http_get(ports["health"], "/health") == (200, "OK")
         # and a second server with reuse_port shares the port at once
         other = HealthServer(cfg, roles=("dns", "proxy"), reuse_port=True)
         await other.start()

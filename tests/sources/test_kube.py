@@ -9,19 +9,15 @@ import time
 
 import pytest
 
-from clusterdns import metrics
 from clusterdns.cli import UsageError
 from clusterdns.config import load
 from clusterdns.sources import kube
 from clusterdns.sources.kube import KubeSource, list_once
 from clusterdns.state import StateStore
+from tests.common import eventually, sample
 from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, node, pod, service
 
 FAST = dict(watch_timeout=5, watch_jitter=0, backoff_initial=0.02, backoff_max=0.2)
-
-
-def sample(name: str, **labels: str) -> float:
-    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 @pytest.fixture
@@ -44,14 +40,6 @@ def kubeconfig(api, tmp_path):
 
 def config(kubeconfig: str, *extra: str):
     return load(["agent", "--kubeconfig", kubeconfig, *extra], env={})
-
-
-async def eventually(pred, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,43 @@
+"""Helpers that test modules of several folders use (kernel tests: tests/nslib; DNS tests:
+tests/dns/dnskit.py; the API server double: tests/fakeapi.py; ports: tests/netutil.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from clusterdns import metrics
+
+
+async def eventually(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll pred() on the running loop until it is true; fail naming `what` after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def sample(name: str, **labels: str) -> float:
+    """A sample of the process's metrics registry (0 when the series does not exist yet)."""
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    """GET http://127.0.0.1:port/path: (status, body)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{port}{path}") as r:
+            return r.status, await r.text()
+
+
+def shown_ips(view, name: str, namespace: str = "ns"):
+    """The ClusterIPs a DnsView shows for a Service (None: not shown)."""
+    s = view.current.services.get((namespace, name))
+    return s.cluster_ips if s else None
+
+
+def shown_eps(view, name: str, namespace: str = "ns") -> list[str]:
+    """The ready endpoint addresses a DnsView shows for a Service."""
+    return sorted(a for sl in view.current.slices_for(namespace, name) for e in sl.endpoints if e.ready
+                  for a in e.addresses)
