@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from clusterdns.sources.manifest import DEMO_MANIFEST, load_files
 from clusterdns.state import ClusterState
+from tests import demo
 from tests.dns.dnskit import make_state
 
 
 @pytest.fixture(scope="session")
 def demo_records():
-    records, skipped = load_files([DEMO_MANIFEST])
-    assert not skipped
-    return records
+    return demo.demo_records()
 
 
 @pytest.fixture(scope="session")
