@@ -91,8 +91,11 @@ class Cluster:
         node = self.node
         # No ICMP redirects: the node forwards ext's packets for unassigned
         # addresses back out the link they came from, and ext would act on a
-        # redirect instead of seeing the REJECT.
-        nss.sysctl(node, net__ipv4__ip_forward="1", net__ipv4__conf__all__route_localnet="1",
+        # redirect instead of seeing the REJECT. No ICMP rate limit: a test sends
+        # bursts of probes that must each be rejected (port unreachable), and the
+        # kernel's per-peer limit would drop some (a "timeout" instead of "refused").
+        nss.sysctl(node, net__ipv4__icmp_ratelimit="0", net__ipv6__icmp__ratelimit="0",
+                   net__ipv4__ip_forward="1", net__ipv4__conf__all__route_localnet="1",
                    net__ipv4__conf__all__rp_filter="0", net__ipv4__conf__default__rp_filter="0",
                    net__ipv4__conf__all__send_redirects="0", net__ipv4__conf__default__send_redirects="0",
                    net__ipv6__conf__all__forwarding="1")
