@@ -240,7 +240,8 @@ def _endpoints_for(slices: tuple[EndpointSlice, ...], port: ServicePort, address
                    node_name: str) -> tuple[EndpointInfo, ...]:
     new = tuple.__new__   # EndpointInfo without the keyword-handling wrapper: this loop is hot
     found: list[EndpointInfo] = []
-    fmt = "[{}]:{}" if address_type == IPV6 else "{}:{}"
+    v6 = address_type == IPV6
+    mine = node_name or "\0"   # no endpoint is local without a node name ("\0" is no node's)
     for sl in slices:
         if sl.address_type != address_type:
             continue
@@ -251,14 +252,16 @@ def _endpoints_for(slices: tuple[EndpointSlice, ...], port: ServicePort, address
                 break
         if not number:
             continue
+        suffix = f":{number}"   # format_endpoint, by concatenation
         found += [new(EndpointInfo, (
-            ep.addresses[0], number, fmt.format(ep.addresses[0], number), ep.ready, ep.serving, ep.terminating,
-            bool(node_name) and ep.node_name == node_name, ep.zone, ep.hint_zones,
-            ep.node_name, ep.pod_namespace, ep.pod_name)) for ep in sl.endpoints if ep.addresses]
+            ip, number, ("[" + ip + "]" if v6 else ip) + suffix, ep.ready, ep.serving, ep.terminating,
+            ep.node_name == mine, ep.zone, ep.hint_zones,
+            ep.node_name, ep.pod_namespace, ep.pod_name)) for ep in sl.endpoints for ip in ep.addresses[:1]]
+    if len(found) < 2:
+        return tuple(found)
     found.sort(key=_ENDPOINT_KEY)
-    for i in range(1, len(found)):
-        if found[i].endpoint == found[i - 1].endpoint:
-            return _dedup(found)
+    if len(set(map(_ENDPOINT_KEY, found))) != len(found):
+        return _dedup(found)
     return tuple(found)
 
 
