@@ -23,7 +23,7 @@ import os
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from array import array
 
 from .nftobj import (
     Addr,
@@ -251,27 +251,58 @@ def _immediate_verdict(code: int, chain: str | None) -> bytes:
 
 # ---------------------------------------------------------------- parsing
 
-@dataclass
-class _Msg:
-    kind: int
-    flags: int
-    body: bytes
-    line: int
+_PIECE = 1 << 20   # bytes per buffer piece of a batch (sent together: one sendmsg, one kernel batch)
 
 
 class _Batch:
-    """The messages of one transaction; lines keep their index for error reports."""
+    """The messages of one transaction, encoded as they come into 1 MiB pieces: BATCH_BEGIN,
+    the messages (sequence numbers set when sent), then BATCH_END once `close`d. A full load
+    at 10,000 Services is ~13 MB of messages: kept once, not as message objects, their framed
+    copies and the joined send buffer (three times over), and never regrown as a whole.
+    `lines` keeps each message's operation index for error reports."""
 
     def __init__(self) -> None:
-        self.msgs: list[_Msg] = []
+        self.pieces = [bytearray(_PIECE)]
+        self.fills = [0]
+        self.offsets = array("Q")     # piece << 32 | offset of each message
+        self.lines = array("L")
+        self._put(_header(16 + 4, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0), _BATCH_GEN)
         self.next_set_id = 1
         self.family: int | None = None
         self.set_ids: dict[str, int] = {}    # named sets created in this batch: rules refer to them by id too
         self.current_line = 0
         self.full = False     # the base layout's forms are allowed (a full transaction)
 
+    def _put(self, head: bytes, body: bytes) -> int:
+        """Write one message; its place (piece << 32 | offset)."""
+        size = len(head) + len(body)
+        if self.fills[-1] + size > len(self.pieces[-1]):
+            self.pieces.append(bytearray(max(_PIECE, size)))
+            self.fills.append(0)
+        piece, at = self.pieces[-1], self.fills[-1]
+        piece[at:at + len(head)] = head
+        piece[at + len(head):at + size] = body
+        self.fills[-1] = at + size
+        return (len(self.pieces) - 1) << 32 | at
+
     def add(self, kind: int, flags: int, body: bytes, line: int) -> None:
-        self.msgs.append(_Msg(kind, flags, body, line))
+        head = _header(16 + len(body), (NFNL_SUBSYS_NFTABLES << 8) | kind, NLM_F_REQUEST | flags, 0)
+        self.offsets.append(self._put(head, body))
+        self.lines.append(line)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def close(self, first: int) -> list[memoryview]:
+        """The batch to send (buffers of one sendmsg), numbered from `first` (BATCH_BEGIN) to
+        first + len + 1 (BATCH_END)."""
+        pack = _SEQ.pack_into
+        pieces = self.pieces
+        pack(pieces[0], 8, first)
+        for i, place in enumerate(self.offsets):
+            pack(pieces[place >> 32], (place & 0xFFFFFFFF) + 8, first + 1 + i)
+        end = _header(16 + 4, NFNL_MSG_BATCH_END, NLM_F_REQUEST, first + 1 + len(self.offsets)) + _BATCH_GEN
+        return [memoryview(p)[:n] for p, n in zip(pieces, self.fills)] + [memoryview(end)]
 
 
 AFFINITY_PREFIX = "affinity-"
@@ -732,13 +763,14 @@ def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
     elif kind == "rule" and verb == "add" and isinstance(body, Rule):
         _rule(batch, family, name, body, index)
     elif kind == "element" and verb in ("add", "delete") and body:
-        items = [_element(name, e, verb, family) for e in body]   # type: ignore[attr-defined]
         head = hdr + table + _str(2, name)
         mtype, flags = (NEWSETELEM, NLM_F_CREATE) if verb == "add" else (DELSETELEM, 0)
         # an attribute's length is 16 bits: a long element list goes in several messages
+        # (encoded as they come: a full load's body makes its elements as it is read)
         chunk: list[bytes] = []
         size = 0
-        for item in items:
+        for e in body:                                            # type: ignore[attr-defined]
+            item = _element(name, e, verb, family)
             if chunk and size + len(item) > 60000:
                 batch.add(mtype, flags, head + _nest(3, *chunk), index)
                 chunk, size = [], 0
@@ -856,6 +888,10 @@ def _header(length: int, kind: int, flags: int, seq: int) -> bytes:
     return struct.pack("=IHHII", length, kind, flags, seq, 0)
 
 
+_SEQ = struct.Struct("=I")
+_BATCH_GEN = struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES))   # nfgenmsg, res_id: the subsystem
+
+
 def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
     return _header(16 + len(body), kind, flags, seq) + body
 
@@ -868,7 +904,7 @@ def apply(ops, family: int = 4, *, netns: str | None = None, full: bool = False)
     """
     ops = list(ops)
     batch = _encode(ops, family, full)
-    if not batch.msgs:
+    if not len(batch):
         return
     t = f"{'ip6' if family == 6 else 'ip'} {TABLE}"
     link = _link(netns)
@@ -889,29 +925,25 @@ def _forget(netns: str | None, link: _Link) -> None:
 
 def _send(link: _Link, batch: _Batch, describe) -> None:
     first = link.seq
-    by_seq: dict[int, int] = {}
-    parts = [_message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first, _fam_hdr(0, NFNL_SUBSYS_NFTABLES))]
-    seq = first + 1
-    for msg in batch.msgs:
-        parts.append(_message((NFNL_SUBSYS_NFTABLES << 8) | msg.kind, NLM_F_REQUEST | msg.flags, seq, msg.body))
-        by_seq[seq] = msg.line
-        seq += 1
-    parts.append(_message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq, _fam_hdr(0, NFNL_SUBSYS_NFTABLES)))
+    buffers = batch.close(first)
+    total = sum(len(b) for b in buffers)
+    seq = first + 1 + len(batch)      # BATCH_END's
     # the kernel handles each send synchronously (and ignores anything after a batch in the same
     # send): a second request's reply marks the end of the batch's replies
     marker = seq + 1
     link.seq = marker + 1
-    data = b"".join(parts)
     sock = link.sock
-    if len(data) + 4096 > link.sndbuf:
-        size = max(len(data) * 2, 1 << 20)
+    if total + 4096 > link.sndbuf:
+        size = max(total * 2, 1 << 20)
         try:
             sock.setsockopt(socket.SOL_SOCKET, 32, size)   # SO_SNDBUFFORCE (root)
         except OSError:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         link.sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     try:
-        sock.send(data)
+        sent = sock.sendmsg(buffers)    # one datagram: the kernel sees one batch
+        if sent != total:
+            raise OSError(0, f"netlink sent {sent} bytes of the batch")
         sock.send(_message((NFNL_SUBSYS_NFTABLES << 8) | GETGEN, NLM_F_REQUEST, marker, _fam_hdr(0)))
     except OSError as exc:
         raise _TransportError(f"netlink send failed: {exc.strerror or exc}", exc.errno or 0) from None
@@ -944,7 +976,7 @@ def _send(link: _Link, batch: _Batch, describe) -> None:
             break
     if errors:
         rseq, errno = errors[0]
-        index = by_seq.get(rseq)
+        index = batch.lines[rseq - first - 1] if first < rseq < seq else None
         line = describe(index) if index is not None else ""
         where = f" at statement {index + 1}: {line}" if index is not None else " (batch)"
         raise NflinkError(f"nftables: {os.strerror(errno)}{where}", errno, line)
