@@ -3,6 +3,7 @@ tests/dns/dnskit.py; the API server double: tests/fakeapi.py; ports: tests/netut
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 import aiohttp
@@ -10,13 +11,19 @@ import aiohttp
 from clusterdns import metrics
 
 
-async def eventually(pred, timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll pred() on the running loop until it is true; fail naming `what` after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+async def eventually(pred, timeout: float = 10.0, what: str = "condition") -> float:
+    """Poll pred() (a plain or an async predicate) until it is true; fail naming `what` after
+    timeout seconds. Returns the seconds it took (for a report, never for an assertion)."""
+    start = time.monotonic()
+    while True:
+        ok = pred()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def sample(name: str, **labels: str) -> float:

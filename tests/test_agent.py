@@ -13,7 +13,7 @@ from clusterdns.model import (
     ServicePort,
 )
 from clusterdns.state import StateStore
-from tests.common import http_get, shown_eps, shown_ips
+from tests.common import eventually, http_get, shown_eps, shown_ips
 from tests.netutil import free_port
 
 PORT = ServicePort("http", "TCP", 8080, target_port=8080)
@@ -262,15 +262,6 @@ def agent_cfg(tmp_path, *extra):
                  "--min-sync-period", "0", "--lameduck", "0.5", *extra], env={})
 
 
-async def until(pred, timeout=5.0, step=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if await pred():
-            return True
-        await asyncio.sleep(step)
-    return False
-
-
 async def started(cfg, kernel, argv=None):
     agent = Agent(cfg, argv=argv, executor=kernel)
     await agent.start()
@@ -287,10 +278,10 @@ async def test_new_service_is_nxdomain_until_its_rules_are_in(tmp_path):
     kernel = SlowKernel()
     agent, port = await started(agent_cfg(tmp_path), kernel)
     try:
-        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers(port, A_NAME, "10.96.0.5"))
         kernel.delay = 1.0
         manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
-        assert await until(lambda: _has(agent.store.current, "b"))
+        await eventually(lambda: _has(agent.store.current, "b"))
         seen_nx_after_store = False
         while True:
             rcode, answers, _ = await ask(port, B_NAME)
@@ -307,9 +298,9 @@ async def test_new_service_is_nxdomain_until_its_rules_are_in(tmp_path):
 
         # Deleting: DNS first, rules after.
         manifest(tmp_path / "cluster.json", {"b": ("10.96.0.6", ["10.0.0.2"])})
-        assert await until(lambda: _rcode(port, A_NAME, "NXDOMAIN"), timeout=3)
+        await eventually(lambda: _rcode(port, A_NAME, "NXDOMAIN"), timeout=3)
         assert kernel.has_rules_for("10.96.0.5")       # the old rules are still being replaced
-        assert await until(lambda: _kernel_lacks(kernel, "10.96.0.5"), timeout=5)
+        await eventually(lambda: _kernel_lacks(kernel, "10.96.0.5"), timeout=5)
     finally:
         await agent.stop()
 
@@ -336,9 +327,9 @@ async def test_proxy_mode_none_follows_the_store(tmp_path):
     agent, port = await started(agent_cfg(tmp_path, "--proxy-mode", "none"), SlowKernel())
     try:
         assert agent.proxier is None and agent.view.follow
-        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers(port, A_NAME, "10.96.0.5"))
         manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", [])})
-        assert await until(lambda: _answers(port, B_NAME, "10.96.0.6"))
+        await eventually(lambda: _answers(port, B_NAME, "10.96.0.6"))
     finally:
         await agent.stop()
 
@@ -347,16 +338,16 @@ async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
     manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
     kernel = SlowKernel()
     kernel.gate = asyncio.Event()      # the first rule sync cannot finish yet
-    agent, port = await started(agent_cfg(tmp_path), kernel)
+    agent, port = await started(agent_cfg(tmp_path, "--lameduck", "2"), kernel)
     hport = agent.health.bound[0][1]
     try:
-        assert await until(lambda: _has(agent.store.current, "a"))
+        await eventually(lambda: _has(agent.store.current, "a"))
         status, text = await http_get(hport, "/ready")
         assert status == 503 and "first rule sync not done" in text and "Service not synced" not in text
         # Nothing known to be in the kernel yet: SERVFAIL (try again), not NXDOMAIN.
         assert (await ask(port, A_NAME))[0] == "SERVFAIL"
         kernel.gate.set()
-        assert await until(lambda: _ready(hport))
+        await eventually(lambda: _ready(hport))
         assert (await http_get(hport, "/health"))[0] == 200
         assert (await http_get(hport, "/healthz"))[0] == 200
 
@@ -370,10 +361,10 @@ async def test_ready_names_what_is_missing_and_lameduck(tmp_path):
         # The proxier stopped at the signal: a Service added now gets no rules from this
         # process (its successor programs it), while the source still follows the change.
         manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
-        assert await until(lambda: _has(agent.store.current, "b"), timeout=0.35)
+        await eventually(lambda: _has(agent.store.current, "b"), timeout=1.5, what="the change, within the lameduck")
         await asyncio.sleep(0.05)
         assert not kernel.has_rules_for("10.96.0.6") and kernel.has_rules_for("10.96.0.5")
-        assert await asyncio.wait_for(waiter, 3) == 0
+        assert await asyncio.wait_for(waiter, 5) == 0
         with pytest.raises((ConnectionRefusedError, dns.exception.Timeout)):   # nothing answers any more
             await ask(port, A_NAME)
     finally:
@@ -404,29 +395,29 @@ async def test_config_reload_on_change_and_bad_file_kept(tmp_path):
     cfg = load(argv, env={})
     agent, port = await started(cfg, SlowKernel(), argv=argv)
     try:
-        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers(port, A_NAME, "10.96.0.5"))
         assert (await ask(port, A_NAME))[2] == 5
         conf.write_text("ttl: 17\nmin-sync-period: 0\n")
-        assert await until(lambda: _ttl(agent, A_NAME, 17), timeout=5)
-        assert await until(lambda: _value(agent.reloads == 1), timeout=5)   # the old listener closes after
+        await eventually(lambda: _ttl(agent, A_NAME, 17), timeout=5)
+        await eventually(lambda: _value(agent.reloads == 1), timeout=5)   # the old listener closes after
         assert agent.cfg.dns.ttl == 17
         assert agent.proxier.cfg.proxy.min_sync_period == 0
         # The proxier and the source restart on a reload that changes their options;
         # the agent keeps running and changes keep flowing.
         waiting = asyncio.ensure_future(agent.wait())
         conf.write_text("ttl: 17\nmin-sync-period: 0.1\npods: verified\n")
-        assert await until(lambda: _value(agent.reloads == 2), timeout=5)
+        await eventually(lambda: _value(agent.reloads == 2), timeout=5)
         assert agent.proxier.cfg.proxy.min_sync_period == 0.1 and agent.source.store is agent.store
         agent.source.interval = 0.05
         manifest(tmp_path / "cluster.json", {"a": ("10.96.0.5", ["10.0.0.1"]), "b": ("10.96.0.6", ["10.0.0.2"])})
-        assert await until(lambda: _answers_quietly(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=5)
+        await eventually(lambda: _answers_quietly(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=5)
         assert not waiting.done()
         conf.write_text("ttl: [not, a, number\n")           # broken YAML
-        assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
+        await eventually(lambda: _value(agent.reload_errors >= 1), timeout=5)
         assert agent.cfg.dns.ttl == 17
         assert (await ask(agent.dns.bound[0][1], A_NAME))[2] == 17   # still served, old config
         conf.write_text("ttl: 99999\n")                      # valid YAML, invalid value
-        assert await until(lambda: _value(agent.reload_errors >= 2), timeout=5)
+        await eventually(lambda: _value(agent.reload_errors >= 2), timeout=5)
         assert agent.cfg.dns.ttl == 17
         assert await agent.reload() is False                 # SIGHUP path, same result
         agent.begin_shutdown()
@@ -451,16 +442,16 @@ async def test_reload_onto_a_busy_port_keeps_the_running_listener(tmp_path):
     agent, port = await started(load(argv, env={}), SlowKernel(), argv=argv)
     try:
         assert port == first
-        assert await until(lambda: _answers(first, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers(first, A_NAME, "10.96.0.5"))
         conf.write_text(f"listen: ['127.0.0.1:{busy}']\nmin-sync-period: 0\nttl: 9\n")
-        assert await until(lambda: _value(agent.reload_errors >= 1), timeout=5)
+        await eventually(lambda: _value(agent.reload_errors >= 1), timeout=5)
         # The old listener still answers, with the old configuration, and nothing else moved.
         assert agent.dns.bound == [("127.0.0.1", first)]
         assert agent.cfg.dns.ttl == 5 and agent.cfg.listen_addresses() == [("127.0.0.1", first)]
         assert await ask(first, A_NAME) == ("NOERROR", ["10.96.0.5"], 5)
         # A later reload onto a free port moves the listener.
         conf.write_text(f"listen: ['127.0.0.1:{third}']\nmin-sync-period: 0\nttl: 9\n")
-        assert await until(lambda: _value(agent.reloads >= 1), timeout=5)
+        await eventually(lambda: _value(agent.reloads >= 1), timeout=5)
         assert agent.dns.bound == [("127.0.0.1", third)]
         assert await ask(third, A_NAME) == ("NOERROR", ["10.96.0.5"], 9)
         with pytest.raises(dns.exception.Timeout):
@@ -495,7 +486,7 @@ async def test_demo_mode_banner_and_printing_proxier(capsys):
         banner = agent.banner()
         assert f"dig @127.0.0.1 -p {port} testapp-svc.testapp.svc.cluster.local" in banner
         assert "printed, not applied" in banner
-        assert await until(lambda: _answers(port, "testapp-svc.testapp.svc.cluster.local.", "172.20.36.232"))
+        await eventually(lambda: _answers(port, "testapp-svc.testapp.svc.cluster.local.", "172.20.36.232"))
         assert agent.proxier.syncs >= 1
     finally:
         await agent.stop()
@@ -517,10 +508,10 @@ async def test_signals_in_a_real_process(tmp_path):
          "--health-listen", f"127.0.0.1:{hport}", "--metrics-listen", "none", "--proxy-metrics-listen", "none", "--lameduck", "1.5",
          "--lameduck-handover", "0", "--loop", "asyncio"], stderr=subprocess.PIPE, text=True)
     try:
-        assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"), timeout=10)
+        await eventually(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"), timeout=10)
         conf.write_text("ttl: 9\n")
         proc.send_signal(signal.SIGHUP)
-        assert await until(lambda: _ttl_at(port, A_NAME, 9), timeout=5)
+        await eventually(lambda: _ttl_at(port, A_NAME, 9), timeout=5)
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         assert proc.poll() is None
@@ -573,7 +564,7 @@ async def test_lameduck_answers_until_a_successor_listens(tmp_path):
     await agent.start()
     successor = None
     try:
-        assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"))
         agent.begin_shutdown()
         waiter = asyncio.ensure_future(agent.wait())
         await asyncio.sleep(0.6)                      # well past the 0.1 s lameduck
@@ -606,7 +597,7 @@ async def test_lameduck_handover_is_bounded(tmp_path):
     agent = Agent(cfg)
     await agent.start()
     try:
-        assert await until(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers_quietly(port, A_NAME, "10.96.0.5"))
         agent.begin_shutdown()
         waiter = asyncio.ensure_future(agent.wait())
         await asyncio.sleep(0.4)
@@ -637,7 +628,7 @@ async def test_restarted_agent_listens_after_its_first_sync_while_another_answer
     agent = Agent(cfg, executor=kernel)
     starting = asyncio.ensure_future(agent.start())
     try:
-        assert await until(lambda: _listed(agent))
+        await eventually(lambda: _listed(agent))
         assert agent.view.adopted > 0
         await asyncio.sleep(0.3)
         assert not starting.done() and agent.dns is None   # not listening: the other one answers

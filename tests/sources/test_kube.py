@@ -576,20 +576,10 @@ async def resolve(agent, name: str) -> tuple[str, list[str]]:
     return dns.rcode.to_text(r.rcode()), sorted(rd.to_text() for rrset in r.answer for rd in rrset)
 
 
-async def until_true(pred, timeout: float, what: str) -> float:
-    """Seconds until the async predicate held (AssertionError after timeout)."""
-    start = time.monotonic()
-    while not await pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
-
-
 async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_ends(api, kubeconfig):
     outages = sample("clusterdns_kube_api_outages_total", reason="timeout")
     async with agent_on(kubeconfig) as agent:
-        await until_true(lambda: _is_ready(agent), 10, "/ready")
+        await eventually(lambda: _is_ready(agent), 10, "/ready")
         assert await resolve(agent, "a") == ("NOERROR", ["10.0.0.1"])
         lists = len(api.requests_for("services", "list"))
         version = agent.store.current.version
@@ -612,8 +602,8 @@ async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_end
         while api.stalling:
             await asyncio.sleep(0.01)
         await call(api.add, service("testapp", "after", "10.0.0.9"))
-        took = await until_true(lambda: _resolves(agent, "after", "10.0.0.9"), 15, "the change in DNS")
-        await until_true(lambda: _is_ready(agent), 5, "/ready again")
+        took = await eventually(lambda: _resolves(agent, "after", "10.0.0.9"), 15, "the change in DNS")
+        await eventually(lambda: _is_ready(agent), 5, "/ready again")
         assert sample("clusterdns_kube_api_up") == 1
     # Resumed from the last versions: no re-list.
     assert len(api.requests_for("services", "list")) == lists
@@ -623,7 +613,7 @@ async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_end
 
 async def test_agent_serves_a_change_made_when_the_api_returns_within_3s(api, kubeconfig):
     async with agent_on(kubeconfig) as agent:
-        await until_true(lambda: _is_ready(agent), 10, "/ready")
+        await eventually(lambda: _is_ready(agent), 10, "/ready")
         await call(api.stop)
         await asyncio.sleep(15)
         assert await resolve(agent, "a") == ("NOERROR", ["10.0.0.1"])
@@ -631,8 +621,8 @@ async def test_agent_serves_a_change_made_when_the_api_returns_within_3s(api, ku
         assert status == 503 and "kube API not answering" in text, text
         await call(api.start)
         await call(api.add, service("testapp", "returned", "10.0.0.10"))
-        took = await until_true(lambda: _resolves(agent, "returned", "10.0.0.10"), 3, "the change in DNS")
-        await until_true(lambda: _is_ready(agent), 3, "/ready again")
+        took = await eventually(lambda: _resolves(agent, "returned", "10.0.0.10"), 3, "the change in DNS")
+        await eventually(lambda: _is_ready(agent), 3, "/ready again")
     print(f"change made when the API returned after 15 s answered after {took:.2f}s")
 
 
