@@ -19,6 +19,7 @@ from prometheus_client import Counter
 
 from . import handover
 from .config import Config, ConfigError, load
+from .dns.metrics import plugins_for
 from .dnsview import DNS_PROGRAMMING, DnsView, needs_rules
 from .health import HealthServer, plan
 from .localdns import LocalDNS, LocalDNSError
@@ -69,7 +70,8 @@ def component_inputs(cfg: Config) -> dict[str, object]:
         "source": (cfg.source, tuple(resources_for(cfg))),
         "proxy": (cfg.proxy, cfg.applying),
         "localdns": (cfg.dns.local_ips, cfg.applying),
-        "dns": (cfg.dns, tuple(cfg.listen_addresses())),
+        # + coredns_plugin_enabled names health, prometheus, reload from the agent section
+        "dns": (cfg.dns, tuple(cfg.listen_addresses()), plugins_for(cfg, None)),
         "health": tuple(plan(cfg, health_roles(cfg))),   # agent's listeners; /proxyMode
     }
 

@@ -138,6 +138,7 @@ ACROSS = {  # the options a second component reads too (agent.component_inputs)
     "local_ips": {"dns", "localdns"},
     "demo": {"source", "proxy", "localdns"},                        # applying (base listens on local_ips)
     "health_listen": {"health"}, "metrics_listen": {"health"}, "proxy_metrics_listen": {"health"},
+    "config_file": {"dns"},                                         # coredns_plugin_enabled{name="reload"}
 }
 
 
@@ -154,3 +155,6 @@ def test_reload_restarts_follow_sections():
         want = ACROSS.get(name, RESTARTS.get(section, set()))
         assert restarts(base, new) == want, name
     assert restarts(base, base.with_options(lameduck=9.0, log_level="debug", loop="asyncio")) == set()
+    # turning the health or metrics listener off changes the plugins DNS reports enabled
+    assert restarts(base, base.with_options(health_listen="none")) == {"health", "dns"}
+    assert restarts(base, base.with_options(metrics_listen="none")) == {"health", "dns"}
