@@ -11,7 +11,7 @@ from clusterdns.sources.manifest import (
     load_files,
     read_documents,
 )
-from clusterdns.state import StateStore
+from clusterdns.state import StateStore, record_key
 
 GOOD = """
 apiVersion: v1
@@ -585,3 +585,26 @@ def test_a_big_json_list_is_read_in_the_process_and_a_big_yaml_file_in_the_worke
     assert len(states[0].services) == 1500 and states[0].services == states[1].services
     assert sum(len(s.endpoints) for s in states[0].slices.values()) == 3000
     assert states[0].slices == states[1].slices
+
+
+async def test_a_reload_in_the_worker_keeps_the_served_objects_of_unchanged_records(tmp_path):
+    """The worker's records equal to the served ones are replaced by those as they arrive: after
+    a reload that changed one Service, the state and the source hold one copy of the others."""
+    from clusterdns.sources.manifest import parse_in_worker_async
+    f = tmp_path / "m.json"
+    write_json(f, cluster(3))
+    store = StateStore()
+    src = ManifestSource(store, [str(f)])
+    assert src.load(strict=True)
+    before = store.current
+    items = cluster(3)
+    items[1]["spec"]["ports"][0]["port"] = 81          # one Service changes
+    write_json(f, items)
+    records, _ = await parse_in_worker_async(str(f), served=before)
+    kept = [rec for kind, rec in records if rec is before.of_kind(kind).get(record_key(kind, rec))]
+    fresh = [rec for kind, rec in records if rec not in kept]
+    assert len(fresh) == 1 and fresh[0].ports[0].port == 81
+    assert len(kept) == len(records) - 1 >= 6
+    # without the served state, every record is a fresh copy
+    alone, _ = await parse_in_worker_async(str(f))
+    assert not any(rec is before.of_kind(kind).get(record_key(kind, rec)) for kind, rec in alone)
