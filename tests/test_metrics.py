@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 from urllib.parse import urlsplit
 
+import pytest
+
 from clusterdns import metrics
 from clusterdns.config import load
 from clusterdns.sources.kube import KubeSource
@@ -225,3 +227,44 @@ async def test_local_dns_setup_failures_count_as_nodelocal_setup_errors():
         await local.check()       # the device could not be read; the rules could not be put back
     assert _setup_errors("iptables") == ipt_before + 1
     assert _setup_errors("interface_check") == check_before + 1
+
+
+@pytest.mark.parametrize("order", ["stop-then-start", "start-then-stop"])
+async def test_a_replaced_listener_keeps_one_series_that_continues(order):
+    """A reload replaces the DNS server on the same address (before or after stopping the old
+    one): its counters carry on in one series, and coredns_plugin_enabled is the new one's."""
+    from clusterdns.dns.server import DnsService
+    from clusterdns.sources.manifest import DEMO_MANIFEST, load_files, publish
+    from tests.netutil import free_port
+    port = free_port()
+    store = StateStore()
+    publish(store, load_files([DEMO_MANIFEST])[0])
+    common = ["dns", "--listen", f"127.0.0.1:{port}", "--no-upstream", "--health-listen", "none"]
+    old = DnsService(load([*common, "--metrics-listen", "none"], env={}), store, reuse_port=True)
+    new = DnsService(load([*common, "--metrics-listen", "127.0.0.1:0"], env={}), store, reuse_port=True)
+    server = f"dns://127.0.0.1:{port}"
+    await old.start()
+    try:
+        for _ in range(3):
+            await ask(old, "testapp-svc.testapp.svc.cluster.local.")
+        if order == "stop-then-start":
+            await old.stop()
+            await new.start()
+        else:
+            await new.start()
+            await ask(old, "testapp-svc.testapp.svc.cluster.local.")   # the old one still answers meanwhile
+            await old.stop()
+        await ask(new, "testapp-svc.testapp.svc.cluster.local.")
+        wanted = 4 if order == "stop-then-start" else 5
+        samples = [s for f in metrics.DNS.collect() for s in f.samples
+                   if s.name == "coredns_dns_requests_total" and s.labels["server"] == server]
+        assert sum(s.value for s in samples) == wanted
+        assert len(samples) == len({tuple(sorted(s.labels.items())) for s in samples})   # no duplicate series
+        enabled = {s.labels["name"] for f in metrics.DNS.collect() for s in f.samples
+                   if s.name == "coredns_plugin_enabled" and s.labels["server"] == server}
+        assert "prometheus" in enabled and "health" not in enabled
+    finally:
+        await new.stop()
+        await old.stop()
+        old.detach()
+        new.detach()

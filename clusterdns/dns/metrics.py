@@ -26,7 +26,7 @@ import contextvars
 import weakref
 from bisect import bisect_left
 from time import perf_counter
-from typing import Iterable
+from typing import Any, Iterable
 
 import dnslib
 from prometheus_client import Counter, Histogram
@@ -179,6 +179,25 @@ class ServerStats:
                     k = (tcp, rsize)
                     self.response_sizes[k] = self.response_sizes.get(k, 0) + n
 
+    def absorb(self, other: "ServerStats") -> None:
+        """Take over the folded totals of another listener on the same address (a reload's
+        predecessor or successor), leaving it at zero: the address keeps one series."""
+        pairs: list[tuple[dict[Any, Any], dict[Any, Any]]] = [
+            (self.requests, other.requests), (self.responses, other.responses),
+            (self.request_sizes, other.request_sizes), (self.response_sizes, other.response_sizes),
+            (self.duration_sum, other.duration_sum)]
+        for mine, theirs in pairs:
+            for k, n in list(theirs.items()):
+                mine[k] = mine.get(k, 0) + n
+            theirs.clear()
+        for qtype, counts in list(other.durations.items()):
+            have = self.durations.setdefault(qtype, [0] * len(counts))
+            for i, n in enumerate(counts):
+                have[i] += n
+        other.durations.clear()
+        self.do_requests += other.do_requests
+        other.do_requests = 0
+
 
 def _plugin(f2: int, f3: int, part: int) -> str:
     if f2 & 4 and not f3 & 0x80:     # AA without RA: an answer of the served zones
@@ -212,7 +231,25 @@ _panics = [0]
 
 
 def register_server(stats: ServerStats) -> None:
+    """Export a new listener's counters. One on an address another server counted for (the
+    one a reload replaces) carries on that one's totals: one series per address, continuing
+    across the reload as CoreDNS's do."""
+    for old in [s for s in _servers if s.server == stats.server and s is not stats]:
+        old.fold()
+        stats.absorb(old)
+        _servers.discard(old)
     _servers.add(stats)
+
+
+def retire_server(stats: ServerStats) -> None:
+    """A stopped listener: what it counted since goes to the one now counting for its
+    address; with none, it stays exported (a stopped server's counts do not vanish)."""
+    stats.fold()
+    for s in list(_servers):
+        if s is not stats and s.server == stats.server:
+            s.absorb(stats)
+            _servers.discard(stats)
+            return
 
 
 def register_cache(cache) -> None:

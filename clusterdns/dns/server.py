@@ -853,6 +853,8 @@ class DnsService:
             r.stats.receivers.remove(r)
             r.drain()
             r.sock.close()
+        for st in self._stats:
+            metrics.retire_server(st)
         for s in self._servers:
             s.close()
         for t in list(self.tasks):
