@@ -34,7 +34,7 @@ import ipaddress
 import math
 import struct
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Iterable, Iterator, Mapping
 
 from ..config import Config
@@ -140,7 +140,7 @@ def shares(count: int, offset: int = 0) -> list[tuple[int, int]]:
     return [(offset + i * SLOT // count, offset + (i + 1) * SLOT // count - 1) for i in range(count)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Objects:
     """Chains, sets and elements that one owner (the base layout, or one Service) puts in the table.
 
@@ -1081,12 +1081,17 @@ def _dispatch(b: _Builder, rules: list[Rule], info: ServicePortInfo, endpoints, 
     bucket, index = slot
     name = endpoints_map(bucket)
     offset = index * SLOT
-    b.shared_sets[name] = SetDecl("map", typeof=f"numgen random mod {SLOT} : {ipx} daddr . {info.protocol} dport",
-                                  flags="interval")
+    b.shared_sets[name] = _endpoints_decl(ipx, info.protocol)
     rules.append(rule(DnatMap(info.protocol, SLOT, offset, name)))
     if endpoints:
         # the endpoints themselves (shared with servicemap's cache): the elements are made when read
         b.ranges.append((name, offset, endpoints))
+
+
+@lru_cache(maxsize=None)
+def _endpoints_decl(ipx: str, protocol: str) -> SetDecl:
+    """An endpoint map's declaration: one object for all the Services of a family and protocol."""
+    return SetDecl("map", typeof=f"numgen random mod {SLOT} : {ipx} daddr . {protocol} dport", flags="interval")
 
 
 def endpoint_share(text_key: str) -> float:
