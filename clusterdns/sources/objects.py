@@ -95,6 +95,7 @@ def _check_label(value: str, pattern: re.Pattern, what: str, where: str) -> str:
 
 
 _NODE_NAMES = _SEEN.setdefault(_DNS1123_SUBDOMAIN, {})   # value -> the shared string, or None if invalid
+_NAMESPACES = _SEEN.setdefault(_DNS1123_LABEL, {})
 _ZONES = _SEEN.setdefault(_LABEL_VALUE, {})
 
 
@@ -149,19 +150,31 @@ def _cidr(value: Any, where: str) -> str:
 
 def _meta(obj: dict, namespaced: bool, name_rule: re.Pattern = _DNS1123_SUBDOMAIN,
           name_what: str = "DNS-1123 subdomain") -> tuple[str, str, dict, dict]:
-    meta = _get(obj, "metadata", dict, where="")
-    if meta is None:
-        raise InvalidObject("metadata: missing")
-    name = _get(meta, "name", str, where="metadata")
+    # each field of the usual type taken as it is; anything else through _get, which
+    # gives the default for null or says what is wrong
+    meta = obj.get("metadata") if type(obj) is dict else None
+    if type(meta) is not dict:
+        meta = _get(obj, "metadata", dict, where="")
+        if meta is None:
+            raise InvalidObject("metadata: missing")
+    name = meta.get("name")
+    if type(name) is not str:
+        name = _get(meta, "name", str, where="metadata")
     if not name:
         raise InvalidObject("metadata.name: missing")
     _name(name, name_rule, name_what, "metadata.name")
     ns = ""
     if namespaced:
-        ns = _get(meta, "namespace", str, "default", where="metadata")
-        ns = _check_label(ns, _DNS1123_LABEL, "namespace (DNS-1123 label)", "metadata.namespace")
-    labels = _get(meta, "labels", dict, {}, where="metadata")
-    annotations = _get(meta, "annotations", dict, {}, where="metadata")
+        got = meta.get("namespace")
+        ns = got if type(got) is str else _get(meta, "namespace", str, "default", where="metadata")
+        ns = _NAMESPACES.get(ns) or _check_label(ns, _DNS1123_LABEL, "namespace (DNS-1123 label)",
+                                                 "metadata.namespace")
+    labels = meta.get("labels")
+    if type(labels) is not dict:
+        labels = _get(meta, "labels", dict, {}, where="metadata")
+    annotations = meta.get("annotations")
+    if type(annotations) is not dict:
+        annotations = _get(meta, "annotations", dict, {}, where="metadata")
     return ns, name, labels, annotations
 
 
@@ -205,6 +218,43 @@ def _target_port(value: Any, where: str) -> int | str | None:
     raise InvalidObject(f"{where}.targetPort: must be an integer or a string")
 
 
+def _checked_port(p: Any, where: str) -> ServicePort:
+    """One Service port, every field checked with its message."""
+    pname = _get(p, "name", str, "", where=where)
+    if pname:
+        _name(pname, _DNS1123_LABEL, "port name (DNS-1123 label)", f"{where}.name")
+    proto = _protocol(p.get("protocol"), where)
+    port = _port_number(p.get("port"), f"{where}.port")
+    node_port = _port_number(p.get("nodePort", 0), f"{where}.nodePort", allow_zero=True)
+    target = _target_port(p.get("targetPort"), where)
+    return ServicePort(pname, proto, port, node_port, target)
+
+
+def _plain_port(p: Any) -> ServicePort | None:
+    """_checked_port for the common shape (a name or none, a known protocol or none, numeric
+    ports in range), without building messages; None for anything else, which _checked_port
+    then accepts or refuses."""
+    if type(p) is not dict:
+        return None
+    get = p.get
+    pname, proto, port, node_port, target = (get("name"), get("protocol"), get("port"), get("nodePort", 0),
+                                              get("targetPort"))
+    if pname is None:
+        pname = ""
+    elif type(pname) is not str or (pname and not _DNS1123_LABEL.match(pname)):
+        return None
+    if proto is None:
+        proto = "TCP"
+    elif proto not in PROTOCOLS:
+        return None
+    if type(port) is not int or not 1 <= port <= 65535 or type(node_port) is not int \
+            or not 0 <= node_port <= 65535:
+        return None
+    if target is not None and (type(target) is not int or not 1 <= target <= 65535):
+        return None
+    return ServicePort(pname, proto, port, node_port, target)
+
+
 def service_from_dict(obj: dict) -> Service:
     ns, name, labels, annotations = _meta(obj, True, _DNS1035_LABEL, "Service name (DNS-1035 label)")
     spec = _get(obj, "spec", dict, {}, where="")
@@ -222,8 +272,15 @@ def service_from_dict(obj: dict) -> Service:
             if raw == "None":
                 headless = True
                 continue
+            try:   # _ip's common case (canonical IPv4) without the call and its message's text
+                if type(raw) is str and _ntop(_AF_INET, _pton(_AF_INET, raw)) == raw:
+                    cluster_ips.append(raw)
+                    continue
+            except OSError:
+                pass
             cluster_ips.append(_ip(raw, f"spec.clusterIPs[{i}]"))
-        if len({":" in ip for ip in cluster_ips}) != len(cluster_ips):   # canonical: only IPv6 has ":"
+        # canonical: only IPv6 has ":"
+        if len(cluster_ips) > 1 and len({":" in ip for ip in cluster_ips}) != len(cluster_ips):
             raise InvalidObject("spec.clusterIPs: two addresses of one family")
     external_name = ""
     if stype == EXTERNAL_NAME:
@@ -233,20 +290,15 @@ def service_from_dict(obj: dict) -> Service:
     ports = []
     seen = set()
     for i, p in enumerate(_get(spec, "ports", list, [], where="spec")):
-        where = f"spec.ports[{i}]"
-        pname = _get(p, "name", str, "", where=where)
-        if pname:
-            _name(pname, _DNS1123_LABEL, "port name (DNS-1123 label)", f"{where}.name")
-        proto = _protocol(p.get("protocol"), where)
-        port = _port_number(p.get("port"), f"{where}.port")
-        node_port = _port_number(p.get("nodePort", 0), f"{where}.nodePort", allow_zero=True)
-        target = _target_port(p.get("targetPort"), where)
-        if (pname, proto) in seen:
-            raise InvalidObject(f"{where}: duplicate port name {pname!r}/{proto}")
-        seen.add((pname, proto))
-        ports.append(ServicePort(pname, proto, port, node_port, target))
-    ext_ips = tuple(_ip(v, f"spec.externalIPs[{i}]")
-                    for i, v in enumerate(_get(spec, "externalIPs", list, [], where="spec")))
+        sp = _plain_port(p) or _checked_port(p, f"spec.ports[{i}]")
+        name_proto = (sp.name, sp.protocol)
+        if name_proto in seen:
+            raise InvalidObject(f"spec.ports[{i}]: duplicate port name {sp.name!r}/{sp.protocol}")
+        seen.add(name_proto)
+        ports.append(sp)
+    # absent optional fields (most Services) skip the checks' calls: _get gives () for None
+    ext_ips = () if spec.get("externalIPs") is None else tuple(
+        _ip(v, f"spec.externalIPs[{i}]") for i, v in enumerate(_get(spec, "externalIPs", list, [], where="spec")))
     lb_ips: list[str] = []
     if stype == LOAD_BALANCER:
         status = _get(obj, "status", dict, {}, where="")
@@ -256,9 +308,14 @@ def service_from_dict(obj: dict) -> Service:
                 raise InvalidObject(f"status.loadBalancer.ingress[{i}]: expected a mapping")
             if ing.get("ip") and ing.get("ipMode") != "Proxy":
                 lb_ips.append(_ip(ing["ip"], f"status.loadBalancer.ingress[{i}].ip"))
-    ranges = tuple(_cidr(v, f"spec.loadBalancerSourceRanges[{i}]")
-                   for i, v in enumerate(_get(spec, "loadBalancerSourceRanges", list, [], where="spec")))
-    affinity = _get(spec, "sessionAffinity", str, "None", where="spec")
+    ranges = () if spec.get("loadBalancerSourceRanges") is None else tuple(
+        _cidr(v, f"spec.loadBalancerSourceRanges[{i}]")
+        for i, v in enumerate(_get(spec, "loadBalancerSourceRanges", list, [], where="spec")))
+    affinity = spec.get("sessionAffinity")
+    if affinity is None:
+        affinity = "None"
+    elif type(affinity) is not str:
+        affinity = _get(spec, "sessionAffinity", str, "None", where="spec")
     timeout = 0
     if affinity == "ClientIP":
         cfg = _get(spec, "sessionAffinityConfig", dict, {}, where="spec")
@@ -268,8 +325,13 @@ def service_from_dict(obj: dict) -> Service:
             raise InvalidObject("spec.sessionAffinityConfig.clientIP.timeoutSeconds: out of range")
     elif affinity != "None":
         raise InvalidObject(f"spec.sessionAffinity: unknown value {affinity!r}")
-    etp = _get(spec, "externalTrafficPolicy", str, "Cluster", where="spec")
-    itp = _get(spec, "internalTrafficPolicy", str, "Cluster", where="spec")
+    etp = spec.get("externalTrafficPolicy")
+    itp = spec.get("internalTrafficPolicy")
+    if etp is not None or itp is not None:
+        etp = _get(spec, "externalTrafficPolicy", str, "Cluster", where="spec")
+        itp = _get(spec, "internalTrafficPolicy", str, "Cluster", where="spec")
+    else:
+        etp = itp = "Cluster"
     for key, value in (("externalTrafficPolicy", etp), ("internalTrafficPolicy", itp)):
         if value not in TRAFFIC_POLICIES:
             raise InvalidObject(f"spec.{key}: unknown value {value!r}"[:200])
@@ -278,7 +340,8 @@ def service_from_dict(obj: dict) -> Service:
     if proxy_name:
         _name(proxy_name, _LABEL_VALUE, "label value", f"metadata.labels[{PROXY_NAME_LABEL}]")
     hc = _port_number(spec.get("healthCheckNodePort", 0), "spec.healthCheckNodePort", allow_zero=True)
-    topo = any(str(annotations.get(a, "")) not in ("", "disabled", "Disabled") for a in TOPOLOGY_ANNOTATIONS)
+    topo = bool(annotations) and any(str(annotations.get(a, "")) not in ("", "disabled", "Disabled")
+                                     for a in TOPOLOGY_ANNOTATIONS)
     topo = topo or bool(spec.get("trafficDistribution"))
     return Service(
         namespace=ns, name=name, type=stype, cluster_ips=tuple(cluster_ips),
@@ -423,13 +486,30 @@ def _bad_address(value: Any, where: str) -> str:
     raise InvalidObject(f"{where}.addresses: expected strings, got {type(value).__name__} {value!r}"[:200])
 
 
+# (name, protocol, port) as written -> the EndpointPort they make (only valid ones are kept)
+_EP_PORTS: dict[tuple, EndpointPort] = {}
+
+
+def _ep_port_key(p: Any) -> tuple | None:
+    """_EP_PORTS' key for a port of exact types (str or null, an int port): with them equal
+    keys mean equal fields (8080.0 == 8080 and True == 1 do not get in)."""
+    if type(p) is not dict:
+        return None
+    name, proto, port = p.get("name"), p.get("protocol"), p.get("port")
+    if type(port) is not int or not (name is None or type(name) is str) \
+            or not (proto is None or type(proto) is str):
+        return None
+    return (name, proto, port)
+
+
 def endpointslice_from_dict(obj: dict) -> EndpointSlice:
     ns, name, labels, annotations = _meta(obj, True)
     service = labels.get(SERVICE_NAME_LABEL)
     if not isinstance(service, str) or not service:
         raise InvalidObject(f"metadata.labels: missing {SERVICE_NAME_LABEL}")
     # Only a Service's name can match a Service: anything else could never be used.
-    _name(service, _DNS1035_LABEL, "Service name (DNS-1035 label)", f"metadata.labels[{SERVICE_NAME_LABEL}]")
+    if not _DNS1035_LABEL.match(service):
+        _name(service, _DNS1035_LABEL, "Service name (DNS-1035 label)", f"metadata.labels[{SERVICE_NAME_LABEL}]")
     atype = _get(obj, "addressType", str, None, where="")
     if atype not in (IPV4, IPV6, FQDN):
         raise InvalidObject(f"addressType: invalid value {atype!r}")
@@ -437,6 +517,12 @@ def endpointslice_from_dict(obj: dict) -> EndpointSlice:
                        for i, ep in enumerate(_get(obj, "endpoints", list, [], where=""))])
     ports = []
     for i, p in enumerate(_get(obj, "ports", list, [], where="")):
+        key = _ep_port_key(p)
+        if key is not None:   # slices repeat a few ports: one shared record for each
+            got = _EP_PORTS.get(key)
+            if got is not None:
+                ports.append(got)
+                continue
         where = f"ports[{i}]"
         if type(p) is not dict:
             raise InvalidObject(f"{where}: expected a mapping")
@@ -444,9 +530,13 @@ def endpointslice_from_dict(obj: dict) -> EndpointSlice:
         if pname:
             _name(pname, _DNS1123_LABEL, "port name (DNS-1123 label)", f"{where}.name")
         port = p.get("port")
-        ports.append(EndpointPort(
-            name=pname, protocol=_protocol(p.get("protocol"), where),
-            port=None if port is None else _port_number(port, f"{where}.port")))
+        rec = EndpointPort(name=pname, protocol=_protocol(p.get("protocol"), where),
+                           port=None if port is None else _port_number(port, f"{where}.port"))
+        if key is not None:
+            if len(_EP_PORTS) > 4096:
+                _EP_PORTS.clear()
+            _EP_PORTS[key] = rec
+        ports.append(rec)
     return EndpointSlice(ns, name, service, atype, endpoints, tuple(ports),
                          _parse_time(annotations.get(TRIGGER_TIME_ANNOTATION)))
 

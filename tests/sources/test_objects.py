@@ -1,6 +1,8 @@
 import copy
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clusterdns.sources.objects import InvalidObject, convert
 
@@ -211,3 +213,33 @@ def test_ipv6_addresses_are_canonicalised():
     sl = with_(with_(SLICE, ["addressType"], "IPv6"), ["endpoints"], [{"addresses": ["FD00:0::01"]}])
     assert convert("EndpointSlice", sl).endpoints[0].addresses == ("fd00::1",)
 
+
+
+_PORT_VALUES = [None, 0, 1, 80, 65535, 65536, -1, True, False, 8.0, "", "http", "8080", "HTTP", "a-b", "-a",
+                "x" * 16, "TCP", "UDP", "SCTP", "tcp", [], {}, ["TCP"]]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.sampled_from(["name", "protocol", "port", "nodePort", "targetPort"]),
+                       st.sampled_from(_PORT_VALUES)) | st.sampled_from([None, [], "port", 80]))
+def test_the_plain_port_path_agrees_with_the_checked_one(p):
+    from clusterdns.sources.objects import InvalidObject, _checked_port, _plain_port
+
+    def outcome(fn):   # repr: True and 1 are equal, not the same
+        try:
+            return repr(fn())
+        except (InvalidObject, AttributeError, TypeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+    assert outcome(lambda: _plain_port(p) or _checked_port(p, "spec.ports[0]")) == \
+        outcome(lambda: _checked_port(p, "spec.ports[0]"))
+
+
+@pytest.mark.parametrize("port", [8080.0, True, "8080"])
+def test_a_port_equal_to_a_seen_one_but_of_another_type_is_still_invalid(port):
+    first = convert("EndpointSlice", SLICE)   # (http, TCP, 8080) is now remembered
+    again = convert("EndpointSlice", copy.deepcopy(SLICE))
+    assert again.ports[0] is first.ports[0]   # one shared record
+    with pytest.raises(InvalidObject, match="port must be an integer"):
+        convert("EndpointSlice", with_(SLICE, ["ports"], [{"name": "http", "port": port, "protocol": "TCP"}]))
+    with pytest.raises(InvalidObject, match="port must be an integer"):
+        convert("Service", with_(SERVICE, ["spec", "ports"], [{"name": "http", "port": port, "protocol": "TCP"}]))
