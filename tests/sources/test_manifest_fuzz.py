@@ -11,7 +11,7 @@ import re
 import tempfile
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from clusterdns.config import load
@@ -136,6 +136,7 @@ def check_state(state):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(documents(), min_size=1, max_size=3))
+@example([("bytes", b""), ("text", "kind: [unclosed\n")])     # emptied, then broken: both refused
 def test_loader_never_raises_and_keeps_the_last_good_state(docs):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.yaml")
