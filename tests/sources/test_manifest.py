@@ -462,7 +462,8 @@ async def test_agent_reload_to_a_missing_manifest_keeps_serving_and_loads_it_lat
     """A reload to a manifest path that does not exist keeps the source running: later
     manifest edits are loaded."""
     from clusterdns.agent import Agent
-    from tests.test_agent import A_NAME, B_NAME, SlowKernel, _answers, _value, manifest, until
+    from tests.common import eventually
+    from tests.test_agent import A_NAME, B_NAME, SlowKernel, _answers, manifest
     manifest(tmp_path / "a.json", {"a": ("10.96.0.5", ["10.0.0.1"])})
     conf = tmp_path / "agent.yaml"
     conf.write_text(f"manifest: [{tmp_path / 'a.json'}]\nmin-sync-period: 0\n")
@@ -473,18 +474,19 @@ async def test_agent_reload_to_a_missing_manifest_keeps_serving_and_loads_it_lat
     try:
         agent.source.interval = 0.05
         port = agent.dns.bound[0][1]
-        assert await until(lambda: _answers(port, A_NAME, "10.96.0.5"))
+        await eventually(lambda: _answers(port, A_NAME, "10.96.0.5"), what="the first answer")
         waiting = asyncio.ensure_future(agent.wait())
         conf.write_text(f"manifest: [{tmp_path / 'later.json'}]\nmin-sync-period: 0\n")
-        assert await until(lambda: _value(agent.reloads == 1), timeout=10)
+        await eventually(lambda: agent.reloads == 1, timeout=10, what="the reload")
         agent.source.interval = 0.05
-        assert await until(lambda: _value(bool(agent.source.problems())), timeout=5)
+        await eventually(lambda: bool(agent.source.problems()), timeout=5, what="the missing file reported")
         assert "later.json" in agent.source.problems()[0]
         assert "manifest not loaded (see log)" in agent.not_ready()   # what /ready names
         assert await _answers(port, A_NAME, "10.96.0.5")          # the last state, still served
         assert not waiting.done()                                  # the agent and its source run on
         manifest(tmp_path / "later.json", {"b": ("10.96.0.6", ["10.0.0.2"])})
-        assert await until(lambda: _answers(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=10)
+        await eventually(lambda: _answers(agent.dns.bound[0][1], B_NAME, "10.96.0.6"), timeout=10,
+                         what="the later file's Service answered")
         assert not agent.source.problems() and not waiting.done()
         agent.begin_shutdown()
         assert await asyncio.wait_for(waiting, 10) == 0
