@@ -31,6 +31,16 @@ def sample(name: str, **labels: str) -> float:
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+async def dns_ask(port: int, name: str, qtype: str = "A", timeout: float = 2.0):
+    """One UDP query to 127.0.0.1:port: (rcode, answer rdata texts in order, TTL of the first answer)."""
+    import dns.asyncquery
+    import dns.message
+    import dns.rcode
+    r = await dns.asyncquery.udp(dns.message.make_query(name, qtype), "127.0.0.1", port=port, timeout=timeout)
+    return (dns.rcode.to_text(r.rcode()), [rd.to_text() for rrset in r.answer for rd in rrset],
+            r.answer[0].ttl if r.answer else None)
+
+
 async def http_get(port: int, path: str) -> tuple[int, str]:
     """GET http://127.0.0.1:port/path: (status, body)."""
     async with aiohttp.ClientSession() as s:

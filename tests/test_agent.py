@@ -13,6 +13,7 @@ from clusterdns.model import (
     ServicePort,
 )
 from clusterdns.state import StateStore
+from tests.common import dns_ask as ask
 from tests.common import eventually, http_get, shown_eps, shown_ips
 from tests.netutil import free_port
 
@@ -247,13 +248,6 @@ def manifest(path, services):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(to_manifest(recs))
     tmp.replace(path)   # atomic: the source never reads half a file
-
-
-async def ask(port, name, qtype="A"):
-    q = dns.message.make_query(name, qtype)
-    r = await dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=2)
-    return dns.rcode.to_text(r.rcode()), [rd.to_text() for rrset in r.answer for rd in rrset], \
-        (r.answer[0].ttl if r.answer else None)
 
 
 def agent_cfg(tmp_path, *extra):

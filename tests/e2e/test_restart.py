@@ -19,9 +19,6 @@ import gc
 import subprocess
 import sys
 
-import dns.asyncquery
-import dns.message
-import dns.rcode
 import pytest
 
 from clusterdns.agent import Agent
@@ -29,6 +26,7 @@ from clusterdns.config import load
 from clusterdns.model import Endpoint, EndpointPort, EndpointSlice, Namespace, Service, ServicePort
 from clusterdns.proxy.apply import SubprocessRunner
 from clusterdns.synthetic import to_manifest
+from tests.common import dns_ask
 from tests.nslib import requires, sh
 
 pytestmark = [pytest.mark.root, requires("iptables-nft-restore", "conntrack")]
@@ -87,9 +85,8 @@ def config(path):
 
 
 async def ask(port, name):
-    q = dns.message.make_query(f"{name}.ns.svc.cluster.local.", "A")
-    r = await dns.asyncquery.udp(q, "127.0.0.1", port=port, timeout=2)
-    return dns.rcode.to_text(r.rcode()), sorted(rd.to_text() for rrset in r.answer for rd in rrset)
+    rcode, answers, _ = await dns_ask(port, f"{name}.ns.svc.cluster.local.")
+    return rcode, sorted(answers)
 
 
 async def start(path, runner):

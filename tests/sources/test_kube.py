@@ -14,7 +14,7 @@ from clusterdns.config import load
 from clusterdns.sources import kube
 from clusterdns.sources.kube import KubeSource, list_once
 from clusterdns.state import StateStore
-from tests.common import eventually, sample
+from tests.common import dns_ask, eventually, sample
 from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, node, pod, service
 
 FAST = dict(watch_timeout=5, watch_jitter=0, backoff_initial=0.02, backoff_max=0.2)
@@ -568,12 +568,8 @@ async def agent_on(kubeconfig: str):
 
 
 async def resolve(agent, name: str) -> tuple[str, list[str]]:
-    import dns.asyncquery
-    import dns.message
-    import dns.rcode
-    q = dns.message.make_query(f"{name}.testapp.svc.cluster.local.", "A")
-    r = await dns.asyncquery.udp(q, "127.0.0.1", port=agent.dns.bound[0][1], timeout=2)
-    return dns.rcode.to_text(r.rcode()), sorted(rd.to_text() for rrset in r.answer for rd in rrset)
+    rcode, answers, _ = await dns_ask(agent.dns.bound[0][1], f"{name}.testapp.svc.cluster.local.")
+    return rcode, sorted(answers)
 
 
 async def test_agent_survives_a_20s_stall_and_serves_the_change_made_when_it_ends(api, kubeconfig):
