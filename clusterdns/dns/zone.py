@@ -166,11 +166,13 @@ _ENT = _Res(has_data=False)
 class ServiceData:
     """What DNS needs of one Service and its EndpointSlices; reused while both are unchanged.
 
-    The endpoint entries (`ready` and what is counted from them) are made on first use:
-    a ClusterIP Service's A, AAAA, SRV and PTR answers never need them, so at 10,000
-    Services most are never made (~12 MB and 0.1 s of the start at 100,000 endpoints)."""
+    The endpoint entries (`ready` and what is counted from them) of a ClusterIP Service are
+    made on first use: its A, AAAA, SRV and PTR answers never need them, so at 10,000
+    Services most are never made (~12 MB and 0.1 s of the start at 100,000 endpoints).
+    A headless Service's, which every one of its answers needs, are made at once."""
     __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "_ready", "_by_name", "_eps_by_name", "target",
-                 "_srv_count", "_port_entries", "_port_counts", "_big", "_families", "_pod_names", "_noendpoints")
+                 "_srv_count", "_port_entries", "_port_counts", "_big", "_families", "_pod_names", "_noendpoints",
+                 "_names_by_ip")
 
     def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool):
         self.svc, self.slices = svc, slices
@@ -189,6 +191,10 @@ class ServiceData:
         self.ips6 = tuple(ip for ip in svc.cluster_ips if ":" in ip)
         self._pod_names, self._noendpoints = pod_names, noendpoints
         self._ready: tuple[tuple, ...] | None = None
+        self._big: bool | None = None
+        self._names_by_ip: dict[str, list[str]] | None = None
+        if self.kind == "headless":
+            self._make_ready()   # every answer of a headless Service is made of them
         self._families: tuple[bool, bool] | None = None
         self._by_name: dict[str, list[str]] | None = None
         self._eps_by_name: dict[str, list[tuple]] | None = None
@@ -231,12 +237,23 @@ class ServiceData:
 
     @property
     def big(self) -> bool:
-        if self._ready is None:
-            self._make_ready()
-        return self._big
+        """More than BIG ready endpoint addresses or ports: counted, not made (every first
+        question about a Service asks this)."""
+        big = self._big
+        if big is None:
+            big = len(self.svc.ports) > BIG
+            if not big:
+                n = 0
+                for _ in self.ready_addresses():
+                    n += 1
+                    if n > BIG:
+                        big = True
+                        break
+            self._big = big
+        return big
 
     def _make_ready(self) -> None:
-        pod_names, svc = self._pod_names, self.svc
+        pod_names = self._pod_names
         ready: list[tuple] = []    # (endpoint name, address, ports of its slice)
         # SRV weights need the number of matches before de-duplication: counted per slice here
         srv_count = port_entries = 0
@@ -257,7 +274,7 @@ class ServiceData:
                             name = ip.replace(".", "-")
                         else:
                             name = names.endpoint_name(host, ep.pod_name, ip, pod_names)
-                        ready.append((name, ip, sl.ports))
+                        ready.append((name, ip, sl.ports))     # (_names_here names them alike)
                 k = len(ready) - before
                 if k:
                     srv_count += k * max(1, len(sl.ports))
@@ -267,7 +284,6 @@ class ServiceData:
                             pk = (p.name.lower(), p.protocol.lower())
                             port_counts[pk] = port_counts.get(pk, 0) + k
         self._srv_count, self._port_entries, self._port_counts = srv_count, port_entries, port_counts
-        self._big = len(ready) > BIG or len(svc.ports) > BIG
         self._ready = tuple(ready)
 
     def by_name(self) -> dict[str, list[str]]:
@@ -291,8 +307,39 @@ class ServiceData:
         return self._eps_by_name.get(name, [])
 
     def names_at(self, ip: str) -> list[str]:
-        """The names of the ready endpoints with this address, each once, in order."""
-        return list(dict.fromkeys(name for name, addr, _ in self.ready if addr == ip))
+        """The names of the ready endpoints with this address, each once, in order (a PTR
+        answer: a Service of a few endpoints is looked through without making its entries)."""
+        ready = self._ready
+        if ready is None:
+            n = 0
+            for sl in self.slices:
+                n += len(sl.endpoints)
+            if n <= BIG:
+                return self._names_here(ip)
+            ready = self.ready
+        if len(ready) <= BIG:
+            return list(dict.fromkeys(name for name, addr, _ in ready if addr == ip))
+        index = self._names_by_ip
+        if index is None:
+            index = {}
+            for name, addr, _ in ready:
+                got = index.setdefault(addr, [])
+                if name not in got:
+                    got.append(name)
+            self._names_by_ip = index
+        return index.get(ip, [])
+
+    def _names_here(self, ip: str) -> list[str]:
+        out: list[str] = []
+        for sl in self.slices:
+            if sl.address_type not in (IPV4, IPV6):
+                continue
+            for ep in sl.endpoints:
+                if ep.ready and ip in ep.addresses:
+                    name = names.endpoint_name(ep.hostname, ep.pod_name, ip, self._pod_names)
+                    if name not in out:
+                        out.append(name)
+        return out
 
     def ready_ips(self, v6: bool) -> list[str]:
         seen: dict[str, None] = {}
@@ -632,7 +679,10 @@ class ZoneView:
             sd = self.service(p.namespace, p.service)
             if sd is None:
                 return None
-            if sd.big and not big_ok:
+            # a ClusterIP Service's own name answers with its addresses and ports only, however
+            # many endpoints it has (not counted then: every first question would)
+            if not big_ok and (len(sd.svc.ports) > BIG if kind == "service" and sd.kind == "cluster"
+                               else sd.big):
                 raise BigAnswer(sd.svc.key)
         if kind in ("namespace", "ent", "dnsent"):
             return _ENT if kind != "namespace" or self.exposed(p.namespace) else None
