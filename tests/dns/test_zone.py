@@ -168,3 +168,29 @@ def test_big_services_answer_what_small_ones_do(monkeypatch, qname, qtype):
         body = pack_body(raw, ans.answer, ans.authority, ans.additional, zone_len=2)
         out.append((ans.rcode, body.data, body.an, body.ns, body.ar))
     assert out[0] == out[1]
+
+
+def test_endpoint_names_by_address_whether_or_not_entries_were_made():
+    """PTR owners of endpoint addresses: read from the slices before a Service's entries are
+    made, from its entries (an index when big) after; the same names, every name once."""
+    from clusterdns.dns.zone import BIG
+    hosts = [Endpoint(("10.5.0.1",), hostname="a"), Endpoint(("10.5.0.1",), hostname="b"),
+             Endpoint(("10.5.0.1",), hostname="a"), Endpoint(("10.5.0.2",)), Endpoint(("10.5.0.3",), ready=False)]
+    many = tuple(Endpoint((f"10.6.{i // 250}.{i % 250 + 1}",)) for i in range(BIG + 50))
+    records = [("Namespace", Namespace("ns"))]
+    for name, eps in (("small", hosts), ("big", tuple(hosts) + many)):
+        records += [("Service", Service("ns", name, cluster_ips=(f"10.96.0.{len(records)}",))),
+                    ("EndpointSlice", EndpointSlice("ns", f"{name}-1", name, endpoints=tuple(eps)))]
+    store = StateStore()
+    publish(store, records)
+    lazy, made = ZoneView(Config(), store.current), ZoneView(Config(), store.current)
+    for sd in made.services.values():
+        assert sd.ready                                      # entries made first
+    assert all(sd._ready is None for sd in lazy.services.values())
+    ips = ["10.5.0.1", "10.5.0.2", "10.5.0.3", "10.6.0.1", "10.6.0.250", "10.9.9.9"]
+    got = {ip: sorted((sd.svc.name, n) for sd, n in lazy.endpoints_at(ip)) for ip in ips}
+    assert got == {ip: sorted((sd.svc.name, n) for sd, n in made.endpoints_at(ip)) for ip in ips}
+    assert got["10.5.0.1"] == [("big", "a"), ("big", "b"), ("small", "a"), ("small", "b")]
+    assert got["10.5.0.2"] == [("big", "10-5-0-2"), ("small", "10-5-0-2")]
+    assert got["10.6.0.250"] == [("big", "10-6-0-250")] and got["10.5.0.3"] == got["10.9.9.9"] == []
+    assert lazy.services[("ns", "small")]._ready is None     # a small Service's were never made
