@@ -1,5 +1,5 @@
-"""A big block-style `kind: List` parsed in two halves (a forked child takes the second
-half's items) gives exactly what the whole-file parse gives, or is parsed whole."""
+"""A big block-style `kind: List` parsed piece by piece, the later pieces in a forked child
+when a CPU is idle, gives exactly what the whole-file parse gives, or is parsed whole."""
 import json
 import threading
 
@@ -15,9 +15,16 @@ from clusterdns.synthetic import synthetic_records, to_manifest
 
 @pytest.fixture
 def halves(monkeypatch):
-    """Splitting on, whatever the file's size and the machine's load."""
+    """Pieces of ~1.5 KB, the later ones in a child, whatever the file's size and the machine's
+    load; the children made are counted in the list it returns."""
+    monkeypatch.setattr(manifest, "PIECES_MIN_BYTES", 0)
     monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(manifest, "PIECE_BYTES", 1500)
     monkeypatch.setattr(forked, "idle_cpu", lambda: True)
+    children = []
+    real = forked.Child
+    monkeypatch.setattr(forked, "Child", lambda *a, **kw: children.append(1) or real(*a, **kw))
+    return children
 
 
 def whole(raw: bytes, path: str, limits=DEFAULT_LIMITS):
@@ -45,8 +52,10 @@ def kubectl_yaml(services=40) -> bytes:
 def test_halves_give_the_whole_files_records_and_skips(halves, tmp_path):
     raw = kubectl_yaml()
     path = str(tmp_path / "c.yaml")
-    got = manifest._parse_in_halves(raw, path, DEFAULT_LIMITS)
-    assert got is not None, "the file was not split"
+    got = manifest._parse_in_pieces(raw, path, DEFAULT_LIMITS)
+    assert got is not None, "the file was not cut"
+    assert halves, "no child took the later pieces"
+    assert len(manifest._pieces(raw.decode(), *manifest._items_region(raw.decode()))) > 10
     want = whole(raw, path)
     assert got == want
     assert [s.name for s in got[1]] == ["ns-0/bad-ip", "ns-0/Bad_Name", "x", "?"]   # in file order across the halves
@@ -54,11 +63,18 @@ def test_halves_give_the_whole_files_records_and_skips(halves, tmp_path):
     assert manifest.parse_file(path) == want
 
 
+def test_pieces_without_a_child_give_the_same(halves, monkeypatch):
+    monkeypatch.setattr(forked, "idle_cpu", lambda: False)
+    raw = kubectl_yaml()
+    assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) == whole(raw, "c.yaml")
+    assert not halves
+
+
 def test_a_block_list_with_keys_after_the_items_splits(halves):
     raw = kubectl_yaml(10) + (b"metadata:\n  resourceVersion: ''\n"
                               b"extra:\n- apiVersion: v1\n  kind: Namespace\n  metadata:\n    name: extra\n")
     # "extra" holds a Namespace at column 0 after the items: not an item, so not a record
-    got = manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS)
+    got = manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS)
     assert got is not None and got == whole(raw, "c.yaml")
 
 
@@ -84,7 +100,7 @@ def test_doubtful_layouts_are_parsed_whole(halves, tmp_path, change):
         want = whole(raw, str(tmp_path / "c.yaml"))
     except ManifestError as exc:
         want = exc
-    assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+    assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) is None
     path = tmp_path / "c.yaml"
     path.write_bytes(raw)
     try:
@@ -101,7 +117,7 @@ def test_a_broken_second_half_reports_the_whole_files_line(halves, tmp_path):
     lines[at] = "  broken: [1, 2"
     path = tmp_path / "c.yaml"
     path.write_text("\n".join(lines))
-    assert manifest._parse_in_halves(path.read_bytes(), str(path), DEFAULT_LIMITS) is None
+    assert manifest._parse_in_pieces(path.read_bytes(), str(path), DEFAULT_LIMITS) is None
     with pytest.raises(ManifestError) as split_err:
         manifest.parse_file(str(path))
     with pytest.raises(ManifestError) as whole_err:
@@ -121,23 +137,34 @@ def test_object_limit_counts_both_halves(halves, tmp_path):
     assert manifest.parse_file(str(path), Limits(max_objects=n)) == whole(raw, str(path))
 
 
-def test_json_and_small_or_busy_cases_stay_whole(halves, monkeypatch):
+def test_json_and_small_files_stay_whole_and_busy_ones_in_one_process(halves, monkeypatch):
     text = to_manifest(synthetic_records(services=10, endpoints=2))
-    assert manifest._parse_in_halves(text.encode(), "c.json", DEFAULT_LIMITS) is None
+    assert manifest._parse_in_pieces(text.encode(), "c.json", DEFAULT_LIMITS) is None
     raw = kubectl_yaml(10)
+    want = whole(raw, "c.yaml")
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
-    try:   # a fork copies only the calling thread: never split in a process with others
-        assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+    try:   # a fork copies only the calling thread: never a child in a process with others
+        assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) == want
     finally:
         stop.set()
         other.join()
     monkeypatch.setattr(forked, "idle_cpu", lambda: False)
-    assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
-    monkeypatch.setattr(forked, "idle_cpu", lambda: True)
-    monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", len(raw) + 1)
-    assert manifest._parse_in_halves(raw, "c.yaml", DEFAULT_LIMITS) is None
+    assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) == want
+    assert not halves
+    monkeypatch.setattr(manifest, "PIECES_MIN_BYTES", len(raw) + 1)
+    assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) is None
+
+
+def test_nested_lists_are_parsed_whole(halves):
+    text = kubectl_yaml(20).decode()
+    nested = "- apiVersion: v1\n  kind: List\n  items:\n  - apiVersion: v1\n    kind: Namespace\n    metadata:\n      name: inner\n"
+    at = text.index("\n- ", len(text) // 2) + 1
+    raw = (text[:at] + nested + text[at:]).encode()
+    assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) is None
+    records, _ = whole(raw, "c.yaml")
+    assert any(kind == "Namespace" and rec.name == "inner" for kind, rec in records)
 
 
 @pytest.mark.parametrize("loadavg,cpus,idle", [
