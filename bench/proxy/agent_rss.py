@@ -10,9 +10,11 @@ loopback port of the namespace). Memory is read from /proc:
 * the agent's VmHWM (its own peak RSS) once the first sync is in, and again
   after `--changes` one-endpoint changes (the manifest rewritten, each waited
   for: the proxier's sync count goes up);
-* the peak of the summed VmRSS of the agent and every child it has at the
-  same time (the manifest parse worker), sampled every 10 ms: what a pod's
-  memory limit counts (a cgroup's total), short of page cache;
+* the peak of the summed PSS of the agent and every child it has at the same
+  time (the manifest parse worker, nft, conntrack), sampled every 20 ms: what
+  a pod's memory limit counts (a cgroup's total), short of page cache. PSS,
+  not RSS: a child between fork and exec shares all of the agent's pages,
+  and summed RSS counted them twice;
 * the agent's VmRSS at the end (what it keeps).
 Prints the medians of --runs runs (min, max): the machine is shared.
 """
@@ -50,6 +52,19 @@ def status_kb(pid: int, field: str) -> int:
     return 0
 
 
+def pss_kb(pid: int) -> int:
+    """Proportional set size: a page shared by n processes counts 1/n in each (a fork before
+    its exec shares all of the agent's pages; summed RSS would count them twice)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def tree(pid: int) -> list[int]:
     """pid and its descendants."""
     out, todo = [], [pid]
@@ -66,26 +81,34 @@ def tree(pid: int) -> list[int]:
 
 
 class Sampler(threading.Thread):
-    """The peak of the summed RSS of a process tree, and each child's own peak."""
+    """The peak of the summed PSS of a process tree (what its cgroup is charged, short of page
+    cache), and each child's own peak RSS."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid = pid
         self.peak_kb = 0
         self.child_hwm: dict[int, int] = {}
+        self.child_cmd: dict[int, str] = {}
         self.stop = threading.Event()
         self.timeline: list[tuple[float, int, int]] = []   # (time, agent RSS, children RSS) in kB
 
     def run(self) -> None:
         while not self.stop.is_set():
             pids = tree(self.pid)
-            rss = [status_kb(p, "VmRSS") for p in pids]
-            total = sum(rss)
-            self.timeline.append((time.monotonic(), rss[0], total - rss[0]))
+            pss = [pss_kb(p) for p in pids]
+            total = sum(pss)
+            self.timeline.append((time.monotonic(), pss[0], total - pss[0]))
             self.peak_kb = max(self.peak_kb, total)
             for p in pids[1:]:
                 self.child_hwm[p] = max(self.child_hwm.get(p, 0), status_kb(p, "VmHWM"))
-            time.sleep(0.01)
+                if p not in self.child_cmd:
+                    try:
+                        with open(f"/proc/{p}/cmdline", "rb") as f:
+                            self.child_cmd[p] = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+                    except OSError:
+                        pass
+            time.sleep(0.02)
 
 
 def enter_netns(name: str) -> None:
@@ -170,6 +193,8 @@ def one_run(args, manifest: str, doc: dict, run: int) -> dict:
         out["tree_after"] = sampler.peak_kb
         out["rss_end"] = status_kb(proc.pid, "VmRSS")
         out["child_hwm"] = max(sampler.child_hwm.values(), default=0)
+        out["children"] = sorted(((kb // 1024, sampler.child_cmd.get(p, "?")) for p, kb in sampler.child_hwm.items()),
+                                 reverse=True)
         if args.timeline:
             with open(args.timeline, "a") as f:
                 for t, a, c in sampler.timeline:
@@ -195,7 +220,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--changes", type=int, default=3)
     ap.add_argument("--mode", default="nftables", choices=("nftables", "iptables"))
-    ap.add_argument("--timeline", help="append 'run seconds agentMB childrenMB' samples to this file")
+    ap.add_argument("--timeline", help="append 'run seconds agentMB childrenMB' (PSS) samples to this file")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root (network namespace, nftables)", file=sys.stderr)
@@ -209,8 +234,8 @@ def main() -> int:
             r = one_run(args, manifest, doc, run)
             results.append(r)
             print(f"run {run + 1}: first sync {r['first_sync_s']:.1f} s; agent VmHWM {r['hwm_first'] / 1024:.0f} MB "
-                  f"after it, {r['hwm_after'] / 1024:.0f} MB after {args.changes} changes; agent+children peak "
-                  f"{r['tree_after'] / 1024:.0f} MB (parse worker's own peak {r['child_hwm'] / 1024:.0f} MB); "
+                  f"after it, {r['hwm_after'] / 1024:.0f} MB after {args.changes} changes; agent+children PSS peak "
+                  f"{r['tree_after'] / 1024:.0f} MB (largest child: {r['children'][0][1].split(' -m ')[-1][:40] if r['children'] else '-'}, own peak {r['child_hwm'] / 1024:.0f} MB); "
                   f"RSS kept {r['rss_end'] / 1024:.0f} MB", flush=True)
 
     def med(key: str, unit: float = 1024, fmt: str = "{:.0f} MB") -> str:
@@ -221,7 +246,7 @@ def main() -> int:
     print(f"{args.services} Services x {args.endpoints} endpoints, {args.mode}, medians:")
     print(f"  agent peak RSS (VmHWM) after the first sync:         {med('hwm_first')}")
     print(f"  agent peak RSS (VmHWM) after {args.changes} endpoint changes:     {med('hwm_after')}")
-    print(f"  agent + children, summed RSS peak (pod total):       {med('tree_after')}")
+    print(f"  agent + children, summed PSS peak (pod total):       {med('tree_after')}")
     print(f"  agent RSS kept after the changes:                    {med('rss_end')}")
     print(f"  first sync in after start:                           {med('first_sync_s', 1, '{:.1f} s')}")
     return 0

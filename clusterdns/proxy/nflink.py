@@ -252,6 +252,7 @@ def _immediate_verdict(code: int, chain: str | None) -> bytes:
 # ---------------------------------------------------------------- parsing
 
 _PIECE = 1 << 20   # bytes per buffer piece of a batch (sent together: one sendmsg, one kernel batch)
+_FIRST_PIECE = 1 << 14
 
 
 class _Batch:
@@ -262,7 +263,7 @@ class _Batch:
     `lines` keeps each message's operation index for error reports."""
 
     def __init__(self) -> None:
-        self.pieces = [bytearray(_PIECE)]
+        self.pieces = [bytearray(_FIRST_PIECE)]    # most batches are a few messages
         self.fills = [0]
         self.offsets = array("Q")     # piece << 32 | offset of each message
         self.lines = array("L")
