@@ -14,7 +14,7 @@ from clusterdns.synthetic import synthetic_records, to_manifest
 
 
 @pytest.fixture
-def halves(monkeypatch):
+def children(monkeypatch):
     """Pieces of ~1.5 KB, the later ones in a child, whatever the file's size and the machine's
     load; the children made are counted in the list it returns."""
     monkeypatch.setattr(manifest, "PIECES_MIN_BYTES", 0)
@@ -49,28 +49,28 @@ def kubectl_yaml(services=40) -> bytes:
     return text.encode()
 
 
-def test_halves_give_the_whole_files_records_and_skips(halves, tmp_path):
+def test_pieces_give_the_whole_files_records_and_skips(children, tmp_path):
     raw = kubectl_yaml()
     path = str(tmp_path / "c.yaml")
     got = manifest._parse_in_pieces(raw, path, DEFAULT_LIMITS)
     assert got is not None, "the file was not cut"
-    assert halves, "no child took the later pieces"
+    assert children, "no child took the later pieces"
     assert len(manifest._pieces(raw.decode(), *manifest._items_region(raw.decode()))) > 10
     want = whole(raw, path)
     assert got == want
-    assert [s.name for s in got[1]] == ["ns-0/bad-ip", "ns-0/Bad_Name", "x", "?"]   # in file order across the halves
+    assert [s.name for s in got[1]] == ["ns-0/bad-ip", "ns-0/Bad_Name", "x", "?"]   # in file order across the processes
     (tmp_path / "c.yaml").write_bytes(raw)
     assert manifest.parse_file(path) == want
 
 
-def test_pieces_without_a_child_give_the_same(halves, monkeypatch):
+def test_pieces_without_a_child_give_the_same(children, monkeypatch):
     monkeypatch.setattr(forked, "idle_cpu", lambda: False)
     raw = kubectl_yaml()
     assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) == whole(raw, "c.yaml")
-    assert not halves
+    assert not children
 
 
-def test_a_block_list_with_keys_after_the_items_splits(halves):
+def test_a_block_list_with_keys_after_the_items_splits(children):
     raw = kubectl_yaml(10) + (b"metadata:\n  resourceVersion: ''\n"
                               b"extra:\n- apiVersion: v1\n  kind: Namespace\n  metadata:\n    name: extra\n")
     # "extra" holds a Namespace at column 0 after the items: not an item, so not a record
@@ -79,11 +79,11 @@ def test_a_block_list_with_keys_after_the_items_splits(halves):
 
 
 @pytest.mark.parametrize("change", ["alias", "quoted", "stream", "tab", "indented"])
-def test_doubtful_layouts_are_parsed_whole(halves, tmp_path, change):
+def test_doubtful_layouts_are_parsed_whole(children, tmp_path, change):
     text = kubectl_yaml(20).decode()
     lines = text.split("\n")
     mid = next(i for i in range(len(lines) // 2, len(lines)) if lines[i].startswith("- "))
-    if change == "alias":      # an anchor in the first half used in the second
+    if change == "alias":      # an anchor in an early piece used in a later one
         first = next(i for i, line in enumerate(lines) if line.startswith("  kind: Namespace"))
         lines[first] = "  kind: &k Namespace"
         lines[mid + 1:mid + 1] = ["  note: *k"]
@@ -110,7 +110,7 @@ def test_doubtful_layouts_are_parsed_whole(halves, tmp_path, change):
     assert (str(got) == str(want)) if isinstance(want, ManifestError) else (got == want)
 
 
-def test_a_broken_second_half_reports_the_whole_files_line(halves, tmp_path):
+def test_a_broken_later_piece_reports_the_whole_files_line(children, tmp_path):
     text = kubectl_yaml(20).decode()
     lines = text.split("\n")
     at = len(lines) * 3 // 4
@@ -126,7 +126,7 @@ def test_a_broken_second_half_reports_the_whole_files_line(halves, tmp_path):
     assert split_err.value.line is not None and split_err.value.line > len(lines) // 2
 
 
-def test_object_limit_counts_both_halves(halves, tmp_path):
+def test_object_limit_counts_every_piece(children, tmp_path):
     raw = kubectl_yaml(20)
     n = len(yaml.safe_load(raw)["items"])
     path = tmp_path / "c.yaml"
@@ -137,7 +137,7 @@ def test_object_limit_counts_both_halves(halves, tmp_path):
     assert manifest.parse_file(str(path), Limits(max_objects=n)) == whole(raw, str(path))
 
 
-def test_json_and_small_files_stay_whole_and_busy_ones_in_one_process(halves, monkeypatch):
+def test_json_and_small_files_stay_whole_and_busy_ones_in_one_process(children, monkeypatch):
     text = to_manifest(synthetic_records(services=10, endpoints=2))
     assert manifest._parse_in_pieces(text.encode(), "c.json", DEFAULT_LIMITS) is None
     raw = kubectl_yaml(10)
@@ -152,12 +152,12 @@ def test_json_and_small_files_stay_whole_and_busy_ones_in_one_process(halves, mo
         other.join()
     monkeypatch.setattr(forked, "idle_cpu", lambda: False)
     assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) == want
-    assert not halves
+    assert not children
     monkeypatch.setattr(manifest, "PIECES_MIN_BYTES", len(raw) + 1)
     assert manifest._parse_in_pieces(raw, "c.yaml", DEFAULT_LIMITS) is None
 
 
-def test_nested_lists_are_parsed_whole(halves):
+def test_nested_lists_are_parsed_whole(children):
     text = kubectl_yaml(20).decode()
     nested = "- apiVersion: v1\n  kind: List\n  items:\n  - apiVersion: v1\n    kind: Namespace\n    metadata:\n      name: inner\n"
     at = text.index("\n- ", len(text) // 2) + 1
