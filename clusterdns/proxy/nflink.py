@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 from array import array
+from typing import Iterator
 
 from .nftobj import (
     Addr,
@@ -1005,7 +1006,8 @@ def attrs(data: bytes) -> dict[int, list[bytes]]:
     return out
 
 
-def _dump_on(link: _Link, kind: int, family: int, body: bytes) -> list[bytes]:
+def _dump_on(link: _Link, kind: int, family: int, body: bytes) -> Iterator[bytes]:
+    """The dump's reply messages (after nlmsghdr and nfgenmsg), as each receive brings them."""
     seq = link.seq
     link.seq += 1
     msg = _message((NFNL_SUBSYS_NFTABLES << 8) | kind, NLM_F_REQUEST | NLM_F_DUMP, seq,
@@ -1014,7 +1016,6 @@ def _dump_on(link: _Link, kind: int, family: int, body: bytes) -> list[bytes]:
         link.sock.send(msg)
     except OSError as exc:
         raise _TransportError(f"netlink send failed: {exc.strerror or exc}", exc.errno or 0) from None
-    out: list[bytes] = []
     while True:
         try:
             reply = link.sock.recv(1 << 20)
@@ -1029,23 +1030,33 @@ def _dump_on(link: _Link, kind: int, family: int, body: bytes) -> list[bytes]:
                 break
             if rseq == seq:
                 if mtype == NLMSG_DONE:
-                    return out
+                    return
                 if mtype == NLMSG_ERROR:
                     (err,) = struct.unpack_from("=i", reply, pos + 16)
                     if err:
                         raise NflinkError(f"nftables dump: {os.strerror(-err)}", -err)
-                    return out
-                out.append(reply[pos + 20:pos + length])   # after nlmsghdr and nfgenmsg
+                    return
+                yield reply[pos + 20:pos + length]
             pos += (length + 3) & ~3
 
 
-def dump(kind: int, family: int, body: bytes, *, netns: str | None = None) -> list[dict[int, list[bytes]]]:
-    """One nf_tables dump request (GETSET, GETSETELEM, ...): each reply message's attributes."""
+def dump(kind: int, family: int, body: bytes, *, netns: str | None = None) -> Iterator[dict[int, list[bytes]]]:
+    """One nf_tables dump request (GETSET, GETSETELEM, ...): each reply message's attributes, as
+    they arrive (a 10,000-Service table's rules are never all held at once). The socket is
+    locked until the dump is read to its end; one not read to its end is closed."""
     link = _link(netns)
+    done = False
     with link.lock:
         try:
-            msgs = _dump_on(link, kind, family, body)
+            for msg in _dump_on(link, kind, family, body):
+                yield attrs(msg)
+            done = True
         except _TransportError:
             _forget(netns, link)
             raise
-    return [attrs(m) for m in msgs]
+        except NflinkError:
+            done = True     # the kernel's answer ends the dump
+            raise
+        finally:
+            if not done:
+                _forget(netns, link)   # replies left unread on the socket

@@ -629,3 +629,24 @@ def test_full_load_over_netlink_equals_nft(pair, case):
     nft(b, resync.text)
     assert listing(a, fam) == listing(b, fam)
     assert bytecode(a, fam) == bytecode(b, fam)
+
+
+@needs_netns
+def test_a_dump_comes_as_it_is_read_and_one_left_unread_closes_its_socket(pair):
+    """dump() yields each reply as it arrives (a big table is never held whole); a dump the
+    caller stops reading leaves its socket closed, so the next request gets its own replies."""
+    a, _ = pair
+    rs = nftables.render(state_from_records(synthetic_records(300, 4)), CFG)
+    nflink.apply(rs.ops, 4, netns=a, full=True)
+    table = nflink._str(1, nftables.n.NFT_TABLE)
+    rules = nflink.dump(nflink.GETRULE, 4, table, netns=a)
+    assert not isinstance(rules, list)
+    first = next(rules)
+    assert 2 in first and 4 in first                  # a rule: its chain and expressions
+    link = nflink._link(a)
+    rules.close()                                     # stopped early: replies left unread
+    assert nflink._link(a) is not link
+    everything = list(nflink.dump(nflink.GETRULE, 4, table, netns=a))
+    assert len(everything) == sum(len(r) for r in rs.state.chains.values())
+    found = nftables.programmed(4, netns=a)
+    assert len(found) == 300 and all(len(eps) == 4 for eps in found.values())
