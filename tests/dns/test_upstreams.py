@@ -50,8 +50,10 @@ class RawUpstream:
         self.other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # "another address"
         self.other.bind(("127.0.0.1", 0))
         self.closing = False
-        for target in (self._serve_udp, self._serve_tcp):
-            threading.Thread(target=target, daemon=True).start()
+        self.conns: list[socket.socket] = []
+        self.threads = [threading.Thread(target=t, daemon=True) for t in (self._serve_udp, self._serve_tcp)]
+        for t in self.threads:
+            t.start()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -62,6 +64,8 @@ class RawUpstream:
             try:
                 data, addr = self.udp.recvfrom(65535)
             except OSError:
+                return
+            if self.closing:
                 return
             self.received.append(("udp", data))
             threading.Thread(target=self._reply_udp, args=(data, addr), daemon=True).start()
@@ -78,7 +82,13 @@ class RawUpstream:
                 conn, _ = self.tcp.accept()
             except OSError:
                 return
-            threading.Thread(target=self._reply_tcp, args=(conn,), daemon=True).start()
+            if self.closing:
+                conn.close()
+                return
+            self.conns.append(conn)
+            t = threading.Thread(target=self._reply_tcp, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
 
     def _reply_tcp(self, conn: socket.socket) -> None:
         with conn:
@@ -96,7 +106,22 @@ class RawUpstream:
                 pass
 
     def close(self) -> None:
+        """Stop serving: the threads are woken (closing a socket leaves a thread blocked in
+        recvfrom or accept on it) and gone before this returns, so none outlives the test."""
         self.closing = True
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", self.address)
+        try:
+            socket.create_connection(self.address, timeout=2).close()
+        except OSError:
+            pass
+        for conn in self.conns:     # a client's open connection holds its reply thread in recv
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in list(self.threads):
+            t.join(5)
         for s in (self.udp, self.tcp, self.other):
             s.close()
 

@@ -16,11 +16,13 @@ from clusterdns.synthetic import synthetic_records, to_manifest
 @pytest.fixture
 def children(monkeypatch):
     """Pieces of ~1.5 KB, the later ones in a child, whatever the file's size and the machine's
-    load; the children made are counted in the list it returns."""
+    load; the children made are counted in the list it returns. The process must have one
+    thread (forking is safe only then): a thread an earlier test left running fails here, named."""
     monkeypatch.setattr(manifest, "PIECES_MIN_BYTES", 0)
     monkeypatch.setattr(manifest, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(manifest, "PIECE_BYTES", 1500)
     monkeypatch.setattr(forked, "idle_cpu", lambda: True)
+    assert threading.active_count() == 1, f"threads left running by earlier tests: {threading.enumerate()}"
     children = []
     real = forked.Child
     monkeypatch.setattr(forked, "Child", lambda *a, **kw: children.append(1) or real(*a, **kw))
