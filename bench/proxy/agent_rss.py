@@ -15,7 +15,9 @@ loopback port of the namespace). Memory is read from /proc:
   a pod's memory limit counts (a cgroup's total), short of page cache. PSS,
   not RSS: a child between fork and exec shares all of the agent's pages,
   and summed RSS counted them twice;
-* the agent's VmRSS at the end (what it keeps).
+* the agent's VmRSS at the end (what it keeps);
+* with --restart, the same peaks for a second agent started on the rules the
+  first left (it reads them back before its first sync: restart adoption).
 Prints the medians of --runs runs (min, max): the machine is shared.
 """
 from __future__ import annotations
@@ -173,7 +175,8 @@ def one_run(args, manifest: str, doc: dict, run: int) -> dict:
     argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "clusterdns", "agent", "--manifest", manifest,
             "--apply", "--proxy-mode", args.mode, "--listen", "127.0.0.1:5398", "--no-upstream",
             "--proxy-metrics-listen", metrics, "--metrics-listen", "127.0.0.1:18197",
-            "--health-listen", "127.0.0.1:18198", "--node-name", "node-0", "--log-level", "warning"]
+            "--health-listen", "127.0.0.1:18198", "--node-name", "node-0", "--log-level", "warning",
+            "--lameduck", "0"]
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sampler = Sampler(proc.pid)   # `ip netns exec` execs the agent: the same pid
@@ -199,18 +202,36 @@ def one_run(args, manifest: str, doc: dict, run: int) -> dict:
             with open(args.timeline, "a") as f:
                 for t, a, c in sampler.timeline:
                     f.write(f"{run} {t - t0:.2f} {a // 1024} {c // 1024}\n")
+        sampler.stop.set()
+        err = stop(proc)
+        if args.restart:
+            # a new agent with the rules in place: it adopts them (reads the table back) first
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            sampler = Sampler(proc.pid)
+            sampler.start()
+            wait_syncs(metrics, ns, proc, 0, 600)
+            time.sleep(0.5)
+            out["hwm_restart"] = status_kb(proc.pid, "VmHWM")
+            out["tree_restart"] = sampler.peak_kb
     finally:
         sampler.stop.set()
-        proc.terminate()
-        try:
-            err = proc.communicate(timeout=60)[1]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            err = proc.communicate()[1]
+        err = stop(proc)
         subprocess.run(["ip", "netns", "del", ns], check=False)
     if not out.get("rss_end"):
         sys.stderr.write(err[-3000:])
     return out
+
+
+def stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.communicate(timeout=60)[1] or ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[1] or ""
+    except ValueError:     # already read
+        return ""
 
 
 def main() -> int:
@@ -220,6 +241,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--changes", type=int, default=3)
     ap.add_argument("--mode", default="nftables", choices=("nftables", "iptables"))
+    ap.add_argument("--restart", action="store_true",
+                    help="then restart the agent with the rules in place and measure its first sync too")
     ap.add_argument("--timeline", help="append 'run seconds agentMB childrenMB' (PSS) samples to this file")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -249,6 +272,9 @@ def main() -> int:
     print(f"  agent + children, summed PSS peak (pod total):       {med('tree_after')}")
     print(f"  agent RSS kept after the changes:                    {med('rss_end')}")
     print(f"  first sync in after start:                           {med('first_sync_s', 1, '{:.1f} s')}")
+    if args.restart:
+        print(f"  restarted agent (rules in place), VmHWM:             {med('hwm_restart')}")
+        print(f"  restarted agent + children, summed PSS peak:         {med('tree_restart')}")
     return 0
 
 
