@@ -596,7 +596,18 @@ class _Layered(Mapping):
         for 120,000 chains, against 120,000 for a plain copy).
         """
         if len(self._gone) + len(self._vals) > 64 + 4 * math.isqrt(len(self._base)):
-            return {k: self[k] for k in self}
+            # the base copied at C speed, then the changes: a 100,000-entry flatten (the hairpin
+            # counts) took ~0.1 s item by item, one sync in ~130 at 10,000 Services
+            out = dict(self._base)
+            for key in self._gone:
+                del out[key]
+            tail = self._tail
+            for key, value in self._vals.items():
+                if key not in tail:
+                    out[key] = value      # replaced in place
+            for key in tail:
+                out[key] = self._vals[key]
+            return out
         return self
 
 
