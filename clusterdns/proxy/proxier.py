@@ -205,6 +205,15 @@ class IptablesBackend:
         return await asyncio.to_thread(iptsave.programmed, nat, filter_text)
 
 
+def release_free_memory() -> None:
+    """malloc_trim(0): return the C heap's free pages to the system (glibc; elsewhere nothing)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class NftablesBackend:
     mode = "nftables"
     # Periodic syncs only apply what changed; the whole table is rewritten
@@ -244,6 +253,11 @@ class NftablesBackend:
         log.debug("nftables IPv%d: %s transaction of %d statements applied via %s", self.family,
                   "full" if rs.full else "incremental", rs.changes, self.last_path)
         self.previous = rs.state
+        if rs.full:
+            # the render's and the batch's transient memory back to the system (glibc keeps
+            # freed heap pages otherwise: ~12 MB of RSS at 10,000 x 10); off the event loop
+            del rs
+            await asyncio.to_thread(release_free_memory)
         return SyncOutcome()
 
     def reset(self) -> None:
