@@ -391,7 +391,7 @@ def _convert_pieces(text: str, pieces: list[tuple[int, int]], path: str, limits:
 def _parse_in_pieces(raw: bytes, path: str, limits: Limits) -> tuple[list, list[Skipped]] | None:
     """parse_documents + records_from_documents piece by piece (see above), or None: then the
     caller parses the file whole."""
-    if len(raw) < PIECES_MIN_BYTES or yaml_rs is None:
+    if len(raw) < PIECES_MIN_BYTES:
         return None
     try:
         text = raw.decode("utf-8")
@@ -401,6 +401,8 @@ def _parse_in_pieces(raw: bytes, path: str, limits: Limits) -> tuple[list, list[
         text = text[1:]
     if text.lstrip().startswith(("{", "[")):
         return None   # JSON: read item by item (parse_json_list)
+    if _yaml_rs() is None:
+        return None   # pragma: no cover - PyYAML's loader reads a piece's list as one document
     region = _items_region(text)
     if region is None:
         return None
