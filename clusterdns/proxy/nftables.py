@@ -759,11 +759,11 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
             return NftRuleSet(family=family, state=new, full=True,
                               changes=sum(new.summary().values()), ops=tuple(ops))
         if resync:
-            new = _full_state(state, cfg, family, node, zone, base, context, cache)
+            new = _full_state(state, cfg, family, node, zone, base, context, cache, previous)
             ops = resync_ops(previous, new)
             return NftRuleSet(family=family, state=new, full=True, changes=len(ops), ops=tuple(ops))
         if changed is None or previous.context != context:
-            new = _full_state(state, cfg, family, node, zone, base, context, cache)
+            new = _full_state(state, cfg, family, node, zone, base, context, cache, previous)
             ops = diff_ops(previous, new)
             return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
         updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed))
@@ -827,7 +827,9 @@ def _group(pairs: list[tuple[ServicePortInfo, Categorized]]) -> dict[tuple[str, 
 
 
 def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, zone: str, base: Objects,
-                context: tuple, cache: RenderCache | None) -> NftState:
+                context: tuple, cache: RenderCache | None, previous: NftState | None = None) -> NftState:
+    """Every Service's objects, merged. previous: returned as it is when it holds the very same
+    objects (a periodic resync of an unchanged cluster builds no second table state beside it)."""
     groups = _group(service_ports(state, cfg, family))
     slot_keys = {key: _slot_keys(pairs) for key, pairs in groups.items()}
     buckets = _buckets(slot_keys.items())
@@ -851,6 +853,10 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
     if cache is not None:
         # only this render's Services are kept: bounded by the state
         cache.context, cache.entries = ctx, entries
+    if previous is not None and previous.family == family and previous.context == context \
+            and len(previous.owned) == len(owned) and previous.buckets == buckets \
+            and all(previous.owned.get(key) is objs for key, objs in owned.items()):
+        return previous
     return _merge(family, base, owned, context, buckets)
 
 

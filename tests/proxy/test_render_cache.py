@@ -248,3 +248,27 @@ def test_chained_changes_equal_a_full_build():
             out += [f"{head} {{ {e} }}" for e in body[:-2].split(", ")] if line.startswith("add element") else [line]
         return sorted(out)
     assert statements(ops_text(nftables.full_ops(prev), 4)) == statements(ops_text(nftables.full_ops(full), 4))
+
+
+def test_a_resync_of_an_unchanged_cluster_keeps_the_previous_state():
+    """A periodic resync whose Services are all the same objects builds no second table state;
+    its transaction is the one a state built anew gives."""
+    store = StateStore()
+    publish(store, synthetic_records(60, 3, nodeport_every=4))
+    cache = nftables.RenderCache()
+    first = nftables.render(store.current, CFG, 4, cache=cache)
+    again = nftables.render(store.current, CFG, 4, previous=first.state, resync=True, cache=cache)
+    assert again.state is first.state
+    servicemap.clear_caches()
+    anew = nftables.render(store.current, CFG, 4, previous=first.state, resync=True)
+    assert anew.state is not first.state
+    assert ops_text(again.ops, 4) == ops_text(anew.ops, 4)
+    # one Service changed: a new state, equal to a full build
+    svc = store.current.services[("ns-3", "svc-3")]
+    store.upsert("Service", replace(svc, ports=(replace(svc.ports[0], port=81),)))
+    changed = nftables.render(store.current, CFG, 4, previous=first.state, resync=True, cache=cache)
+    full = nftables.render(store.current, CFG, 4)
+    assert changed.state is not first.state
+    assert {k: dict(v) for k, v in changed.state.elements.items()} == \
+        {k: dict(v) for k, v in full.state.elements.items()}
+    assert dict(changed.state.chains) == dict(full.state.chains)
