@@ -169,14 +169,24 @@ def test_nested_lists_are_parsed_whole(children):
     assert any(kind == "Namespace" and rec.name == "inner" for kind, rec in records)
 
 
-@pytest.mark.parametrize("loadavg,cpus,idle", [
-    ("0.10 0.20 0.30 1/120 4242\n", {0, 1}, True),    # only this process runnable
-    ("2.10 1.90 1.50 2/120 4242\n", {0, 1}, False),   # another task wants the other CPU
-    ("0.10 0.20 0.30 1/120 4242\n", {0}, False),      # one CPU
-    ("garbage\n", {0, 1}, False),
+PSI_CALM = "some avg10=0.40 avg60=0.20 avg300=0.10 total=123\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+PSI_BUSY = "some avg10=12.31 avg60=15.28 avg300=12.36 total=3214268291\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+
+
+@pytest.mark.parametrize("loadavg,cpus,psi,idle", [
+    ("0.10 0.20 0.30 1/120 4242\n", {0, 1}, PSI_CALM, True),    # only this process runnable, no waiting
+    ("0.10 0.20 0.30 1/120 4242\n", {0, 1}, None, True),        # a kernel without PSI: the run queue alone
+    ("1.90 2.10 2.20 1/120 4242\n", {0, 1}, PSI_BUSY, False),   # idle this instant, contended lately
+    ("2.10 1.90 1.50 2/120 4242\n", {0, 1}, PSI_CALM, False),   # another task wants the other CPU
+    ("0.10 0.20 0.30 1/120 4242\n", {0}, PSI_CALM, False),      # one CPU
+    ("garbage\n", {0, 1}, PSI_CALM, False),
+    ("0.10 0.20 0.30 1/120 4242\n", {0, 1}, "garbage\n", False),
 ])
-def test_idle_cpu_reads_the_run_queue(tmp_path, monkeypatch, loadavg, cpus, idle):
+def test_idle_cpu_reads_the_run_queue_and_the_pressure(tmp_path, monkeypatch, loadavg, cpus, psi, idle):
     path = tmp_path / "loadavg"
     path.write_text(loadavg)
+    pressure = tmp_path / "pressure"
+    if psi is not None:
+        pressure.write_text(psi)
     monkeypatch.setattr(forked.os, "sched_getaffinity", lambda pid: cpus)
-    assert forked.idle_cpu(str(path)) is idle
+    assert forked.idle_cpu(str(path), str(pressure)) is idle
