@@ -20,7 +20,7 @@ loopback port of the namespace). Memory is read from /proc:
   first left (it reads them back before its first sync: restart adoption).
 Prints the medians of --runs runs (min, max): the machine is shared. Not
 covered: the hourly full resync (in place, beside the previous state), whose
-peak is ~25 MB above the steady RSS at 10,000 x 10 (measured in process).
+peak is ~20 MB above the steady RSS at 10,000 x 10 (measured in process).
 Figures: docs/proxy-runtime.md, "Memory".
 """
 from __future__ import annotations
