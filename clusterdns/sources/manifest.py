@@ -517,16 +517,20 @@ def _json_list_items(text: str) -> Iterator[Any]:
         raise NotAJsonList
 
 
-def parse_json_list(raw: bytes, path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
+def parse_json_list(raw: bytes | str, path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
                     ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """parse_file's result for a JSON List (as `kubectl get -o json` prints), each item converted
     as soon as it is decoded: the parse's peak memory is one item, not the whole document, so a
     long-running process can read a big file itself. Raises NotAJsonList for anything else
-    (YAML, another JSON shape, broken JSON) and ManifestError past a limit."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise NotAJsonList from None
+    (YAML, another JSON shape, broken JSON) and ManifestError past a limit. raw: the file's
+    bytes, or its text (see _json_text: the caller can let the bytes go first)."""
+    if isinstance(raw, str):
+        text = raw
+    else:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise NotAJsonList from None
     if text.startswith("\ufeff"):
         text = text[1:]
     with gc_paused():
@@ -536,15 +540,27 @@ def parse_json_list(raw: bytes, path: str = "<input>", limits: Limits = DEFAULT_
 _JSON_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\n\r]*\{")
 
 
+def _json_text(raw: bytes) -> str | None:
+    """The text of what may be a JSON List, for parse_json_list; None when it cannot be one
+    (not an object, not UTF-8). Its callers drop the bytes before parsing: ~20 MB less peak
+    memory at 10,000 Services."""
+    if not _JSON_START.match(raw):
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def parse_file_lean(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """parse_file, a JSON List read item by item (parse_json_list); raises ManifestError."""
-    raw = read_bytes(path, limits)
-    if _JSON_START.match(raw):
+    text = _json_text(read_bytes(path, limits))
+    if text is not None:
         try:
-            return parse_json_list(raw, path, limits)
+            return parse_json_list(text, path, limits)
         except NotAJsonList:
             pass
-    del raw
+    del text
     return parse_file(path, limits)
 
 
@@ -891,13 +907,13 @@ class ManifestSource:
         worker, whose peak memory (the whole document) goes away with it."""
         if not (self.worker and stamp and stamp[1] >= WORKER_MIN_BYTES):
             return parse_file(path, self.limits)
-        raw = read_bytes(path, self.limits)
-        if _JSON_START.match(raw):
+        text = _json_text(read_bytes(path, self.limits))
+        if text is not None:
             try:
-                return parse_json_list(raw, path, self.limits)
+                return parse_json_list(text, path, self.limits)
             except NotAJsonList:
                 pass
-        del raw
+        del text
         return parse_in_worker(path, self.limits)
 
     def load(self, strict: bool = False) -> bool:
