@@ -267,10 +267,13 @@ def _flatten(docs: Iterable[Any], limits: Limits) -> Iterator[Any]:
 
 
 def records_from_documents(docs: Iterable[Any], path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
+                           flush: Callable[[list], None] | None = None,
                            ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """Convert raw documents into (kind, record) pairs and the objects skipped.
 
-    Raises ManifestError when the documents break a limit."""
+    flush: given every _CHUNK records as they are made, which are then not returned (a
+    caller that streams them never holds them all). Raises ManifestError when the documents
+    break a limit."""
     records: list[tuple[str, Any]] = []
     skipped: list[Skipped] = []
     try:
@@ -288,6 +291,9 @@ def records_from_documents(docs: Iterable[Any], path: str = "<input>", limits: L
                 continue
             try:
                 records.append((kind, convert(kind, obj)))
+                if flush is not None and len(records) >= _CHUNK:
+                    flush(records)
+                    records = []
             except InvalidObject as exc:
                 skipped.append(Skipped(path, kind, _printable(object_name(obj)), str(exc)))
             except RecursionError:
@@ -518,6 +524,7 @@ def _json_list_items(text: str) -> Iterator[Any]:
 
 
 def parse_json_list(raw: bytes | str, path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
+                    flush: Callable[[list], None] | None = None,
                     ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """parse_file's result for a JSON List (as `kubectl get -o json` prints), each item converted
     as soon as it is decoded: the parse's peak memory is one item, not the whole document, so a
@@ -534,7 +541,7 @@ def parse_json_list(raw: bytes | str, path: str = "<input>", limits: Limits = DE
     if text.startswith("\ufeff"):
         text = text[1:]
     with gc_paused():
-        return records_from_documents(_json_list_items(text), path, limits)
+        return records_from_documents(_json_list_items(text), path, limits, flush)
 
 
 _JSON_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\n\r]*\{")
@@ -552,14 +559,18 @@ def _json_text(raw: bytes) -> str | None:
         return None
 
 
-def parse_file_lean(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
-    """parse_file, a JSON List read item by item (parse_json_list); raises ManifestError."""
+def parse_file_lean(path: str, limits: Limits = DEFAULT_LIMITS, flush: Callable[[list | None], None] | None = None,
+                    ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """parse_file, a JSON List read item by item (parse_json_list); raises ManifestError.
+    flush: as records_from_documents's, for a JSON List; flush(None) when what it was given
+    is void (the file was not a List after all, and is parsed whole: all returned)."""
     text = _json_text(read_bytes(path, limits))
     if text is not None:
         try:
-            return parse_json_list(text, path, limits)
+            return parse_json_list(text, path, limits, flush)
         except NotAJsonList:
-            pass
+            if flush is not None:
+                flush(None)
     del text
     return parse_file(path, limits)
 
@@ -627,8 +638,12 @@ def _worker_main(argv: list[str]) -> int:
         out.write(_FRAME.pack(len(data)))
         out.write(data)
 
+    def stream(chunk: list | None) -> None:
+        # a JSON List's records go as they are made: the worker never holds them all
+        send(("records", chunk) if chunk is not None else ("reset",))
+
     try:
-        records, skipped = parse_file_lean(path, Limits(max_bytes=max_bytes, max_objects=max_objects))
+        records, skipped = parse_file_lean(path, Limits(max_bytes=max_bytes, max_objects=max_objects), stream)
     except ManifestError as exc:
         send(("error", exc.line, exc.reason, exc.transient))
         out.flush()
@@ -663,6 +678,8 @@ class _Collector:
     def take(self, msg: tuple) -> None:
         if msg[0] == "records":
             self.records += msg[1] if self.served is None else _served_copies(self.served, msg[1])
+        elif msg[0] == "reset":
+            self.records = []        # the records so far are void: the worker parses the file again
         elif msg[0] == "done":
             self.skipped = msg[1]
             self.done = True

@@ -610,3 +610,26 @@ async def test_a_reload_in_the_worker_keeps_the_served_objects_of_unchanged_reco
     # without the served state, every record is a fresh copy
     alone, _ = await parse_in_worker_async(str(f))
     assert not any(rec is before.of_kind(kind).get(record_key(kind, rec)) for kind, rec in alone)
+
+
+def test_the_worker_streams_a_json_list_and_voids_it_when_it_was_not_one(tmp_path):
+    """A JSON List's records leave the worker as they are made; when the file turns out not to
+    be a List (here a second "items" after the first, which json.loads lets win) the records
+    sent so far are void and the file's whole parse is what counts."""
+    from clusterdns.sources.manifest import _CHUNK, parse_file_lean, parse_in_worker
+    items = cluster(_CHUNK)               # more than one chunk of records
+    f = tmp_path / "m.json"
+    write_json(f, items)
+    chunks: list = []
+    records, _ = parse_file_lean(str(f), flush=chunks.append)
+    assert len(chunks) >= 2 and all(len(c) == _CHUNK for c in chunks)
+    assert sum(len(c) for c in chunks) + len(records) == len(items)
+    assert len(parse_in_worker(str(f))[0]) == len(items)
+    text = json.dumps(as_list(items))
+    write(f, text[:-1] + ', "items": [' + json.dumps(svc("late", ip="10.96.9.9")) + "]}")
+    chunks = []
+    records, _ = parse_file_lean(str(f), flush=chunks.append)
+    assert chunks[-1] is None and len(chunks) >= 2      # streamed, then voided
+    assert [r.name for _, r in records] == ["late"]
+    got, _ = parse_in_worker(str(f))
+    assert [r.name for _, r in got] == ["late"]
