@@ -247,7 +247,10 @@ class _HairpinView(Mapping):
         return len(self.refs)
 
     def values(self):
-        return _Values(self, lambda: (_hairpin_element(ip)[2] for ip in self.refs))
+        return _Values(self, lambda: (_hairpin_element(ip)[2] for ip in self.refs), self._texts)
+
+    def _texts(self) -> list[str]:
+        return [f"{ip} . {ip}" for ip in self.refs]
 
     def items(self):
         return _Values(self, lambda: (_hairpin_element(ip)[1:] for ip in self.refs))
@@ -302,8 +305,23 @@ class _RangeView(Mapping):
     def __len__(self) -> int:
         return sum(len(e) for sk, i in self.members.items() if (e := self._slot(sk, i)))
 
+    def _texts(self) -> list[str]:
+        """The elements' texts (as _slot_elements spells them), in _elements' order, made directly."""
+        out: list[str] = []
+        add = out.append
+        for owner in sorted({(sk[0], sk[1]) for sk in self.members}):
+            objs = self.owned.get(owner)
+            if objs is not None:
+                for name, offset, endpoints in objs.ranges:
+                    if name == self.name:
+                        count = len(endpoints)
+                        for i, ep in enumerate(endpoints):
+                            add(f"{offset + i * SLOT // count}-{offset + (i + 1) * SLOT // count - 1}"
+                                f" : {ep.ip} . {ep.port}")
+        return out
+
     def values(self):
-        return _Values(self, lambda: (e for _, _, e in self._elements()))
+        return _Values(self, lambda: (e for _, _, e in self._elements()), self._texts)
 
     def items(self):
         return _Values(self, lambda: ((k, e) for _, k, e in self._elements()))
@@ -312,10 +330,11 @@ class _RangeView(Mapping):
 class _Values:
     """A re-iterable, sized sequence of a view's elements, made as it is read (an operation's
     body: encoding a full load element by element keeps no list of them all)."""
-    __slots__ = ("view", "make")
+    __slots__ = ("view", "make", "texts")
 
-    def __init__(self, view: Mapping, make) -> None:
-        self.view, self.make = view, make
+    def __init__(self, view: Mapping, make, texts=None) -> None:
+        # texts: the elements' texts in one list, for the nft -f text (Op.text), when the view can spell them directly
+        self.view, self.make, self.texts = view, make, texts
 
     def __iter__(self):
         return self.make()
@@ -501,8 +520,8 @@ def _assign(members) -> dict[tuple, int]:
     """
     taken: set[int] = set()
     out: dict[tuple, int] = {}
-    for sk in sorted(members, key=lambda k: (_preferred_slot(k), k)):
-        slot = _preferred_slot(sk)
+    for preferred, sk in sorted([(_preferred_slot(k), k) for k in members]):   # each hashed once
+        slot = preferred
         while slot in taken:
             slot = (slot + 1) % SLOTS
         taken.add(slot)

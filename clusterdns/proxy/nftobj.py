@@ -288,6 +288,9 @@ class Op(NamedTuple):
         if kind == "element":
             if verb == "delete":
                 return head + " { " + ", ".join([element_key_text(e) for e in body]) + " }"  # type: ignore[attr-defined]
+            texts = None if type(body) is tuple else getattr(body, "texts", None)
+            if texts is not None:   # a bulk set's view spells its elements without making them
+                return head + " { " + ", ".join(texts()) + " }"
             return head + " { " + ", ".join([element_text(e) for e in body]) + " }"          # type: ignore[attr-defined]
         return f"{head} {body.text()}"                                                 # type: ignore[attr-defined]
 
