@@ -182,6 +182,12 @@ def _slot_elements(name: str, offset: int, endpoints) -> Iterator[tuple[str, str
         yield name, key, (True, "", f"{key} : {ep.ip} . {ep.port}", 2, ep.ip, ep.port, lo, hi)
 
 
+@lru_cache(maxsize=256)
+def _shares(count: int) -> tuple[tuple[int, int], ...]:
+    """The (lo, hi) of each of `count` even shares of a slot, from its offset (as _slot_elements)."""
+    return tuple((i * SLOT // count, (i + 1) * SLOT // count - 1) for i in range(count))
+
+
 def _hairpin_element(ip: str) -> tuple[str, str, tuple]:
     pair = f"{ip} . {ip}"
     return HAIRPIN, pair, (False, "", pair, 0, "", "", ip, ip)
@@ -314,10 +320,8 @@ class _RangeView(Mapping):
             if objs is not None:
                 for name, offset, endpoints in objs.ranges:
                     if name == self.name:
-                        count = len(endpoints)
-                        for i, ep in enumerate(endpoints):
-                            add(f"{offset + i * SLOT // count}-{offset + (i + 1) * SLOT // count - 1}"
-                                f" : {ep.ip} . {ep.port}")
+                        for (lo, hi), ep in zip(_shares(len(endpoints)), endpoints):
+                            add(f"{offset + lo}-{offset + hi} : {ep.ip} . {ep.port}")
         return out
 
     def values(self):

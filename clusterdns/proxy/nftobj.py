@@ -188,7 +188,8 @@ class Rule(NamedTuple):
 
 
 def rule(*stmts, comment: str = "") -> Rule:
-    return Rule(tuple(stmts), comment)
+    # stmts is a tuple already; tuple.__new__ skips the named tuple's keyword-handling __new__ (hot in renders)
+    return tuple.__new__(Rule, (stmts, comment))
 
 
 # ---------------------------------------------------------------- elements
@@ -324,7 +325,15 @@ def element_text(e) -> str:
     if type(e) is not Element:
         if e[2]:
             return e[2]
-        e = element_of(e)
+        # Element.text spelled from the flat tuple: no Element and value objects made for it
+        out = f"{e[6]}-{e[7]}" if e[0] else " . ".join(e[6:])
+        if e[1]:
+            out += f' comment "{e[1]}"'
+        if e[3] == _VERDICT:
+            out += f" : {e[4]} {e[5]}" if e[5] else f" : {e[4]}"
+        elif e[3] == _ENDPOINT:
+            out += f" : {e[4]} . {e[5]}"
+        return out
     return e.text()
 
 
