@@ -234,6 +234,17 @@ def _agent_argv(kubeconfig: str, mode: str, lameduck: float, ports: tuple[int, i
             "--log-level", "info"]
 
 
+def _hwm_mb(pid: int) -> float | None:
+    """A process's peak RSS (VmHWM) in MB, or None once it is gone."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def _ready(port: int) -> bool:
     try:
         return urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200
@@ -310,6 +321,7 @@ def inner_restart(args) -> dict:
             time.sleep(0.05)
         cold_ready = time.monotonic() - t0
         time.sleep(1.0)
+        first_hwm = _hwm_mb(first.pid)
 
         # The prober is a process of its own: in this one the fake API server's thread holds
         # the GIL while it serves the second agent's list, which would delay the probes.
@@ -361,6 +373,7 @@ def inner_restart(args) -> dict:
             stop.set()
             results = queue.get(timeout=60)
             th.join(10)
+        second_hwm = _hwm_mb(second.pid) if second is not None else None
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:
@@ -384,7 +397,8 @@ def inner_restart(args) -> dict:
             "first_failures": failures[:10], "all_failures": failures, "sigterm_at": wall_term,
             "logs": os.path.dirname(logs[1].name), "last_failure_s": failures[-1][0] if failures else None,
             "restart_ready_s": round(restart_ready, 2),
-            "old_exit_s": round(old_exit, 2), "adoption": adopted}
+            "old_exit_s": round(old_exit, 2), "adoption": adopted,
+            "first_hwm_mb": first_hwm, "second_hwm_mb": second_hwm}
 
 
 # ---------------------------------------------------------------- outside
@@ -447,6 +461,8 @@ def main() -> int:
             print(f"  failures by kind: {r['failure_kinds']}; first: {r['first_failures']}; "
                   f"last at {r['last_failure_s']}s after SIGTERM")
             print(f"  second agent: {r['adoption']}")
+            print(f"  agent peak RSS (VmHWM): first {r['first_hwm_mb']} MB once ready, "
+                  f"second {r['second_hwm_mb']} MB 2 s after it was ready")
             if args.all_failures:
                 print(f"  SIGTERM at {r['sigterm_at']} (logs in {r['logs']}); all failures: {r['all_failures']}")
         return 0

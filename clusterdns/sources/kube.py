@@ -38,9 +38,8 @@ from .reflector import (
     Reflector,
     Resource,
     Transport,
-    convert_items,
     forbidden_hint,
-    list_objects,
+    list_records,
 )
 
 log = logging.getLogger(__name__)
@@ -222,7 +221,7 @@ def list_once(cfg: Config, store: StateStore, **options: Any) -> None:
         try:
             for res in resources_for(cfg):
                 try:
-                    items, _rv = await list_objects(transport, res, opts)
+                    records, _rv = await list_records(transport, res, opts)
                 except Forbidden as exc:
                     raise _usage_error(f"{forbidden_hint(res, 'list')} ({exc})") from None
                 except ApiError as exc:
@@ -230,7 +229,7 @@ def list_once(cfg: Config, store: StateStore, **options: Any) -> None:
                 except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
                     raise _usage_error(f"cannot list {res.name} from {conf.host}: "
                                        f"{_one_line(exc) or type(exc).__name__}") from None
-                results[res.kind] = convert_items(res, items)
+                results[res.kind] = records
         finally:
             await transport.close()
         with store.batch():

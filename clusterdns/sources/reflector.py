@@ -435,10 +435,13 @@ class EventBatcher:
             self.store.replace(kind, records)
 
 
-async def list_objects(transport: Transport, res: Resource, opts: Options) -> tuple[list[dict], str]:
-    """A complete LIST, page by page; returns (raw items, resourceVersion)."""
+async def list_records(transport: Transport, res: Resource, opts: Options) -> tuple[list, str]:
+    """A complete LIST, page by page; returns (records of the valid items, resourceVersion).
+
+    Each page is converted as it arrives, so a big list's decoded JSON never all
+    lives at once (at 10,000 EndpointSlices it is several times their records)."""
     timeout = aiohttp.ClientTimeout(total=opts.list_timeout, connect=opts.connect_timeout)
-    items: list[dict] = []
+    records: list = []
     cont = ""
     rv = ""
     while True:
@@ -455,7 +458,7 @@ async def list_objects(transport: Transport, res: Resource, opts: Options) -> tu
                 raise
             # The continue token expired mid-list: start a fresh consistent list.
             log.info("%s: list continuation expired; listing again from the start", res.name)
-            items, cont = [], ""
+            records, cont = [], ""
             continue
         try:
             body = json.loads(await resp.read())
@@ -463,12 +466,13 @@ async def list_objects(transport: Transport, res: Resource, opts: Options) -> tu
             resp.release()
         if not isinstance(body, dict) or not isinstance(body.get("items", []), list):
             raise ApiError(0, f"malformed {res.name} list response")
-        items.extend(body.get("items") or [])
         meta = body.get("metadata") or {}
+        records.extend(convert_items(res, body.get("items") or []))
+        del body
         rv = str(meta.get("resourceVersion") or rv)
         cont = str(meta.get("continue") or "")
         if not cont:
-            return items, rv
+            return records, rv
 
 
 def convert_items(res: Resource, items: list[dict]) -> list:
@@ -592,8 +596,7 @@ class Reflector:
         return kind
 
     async def list(self) -> None:
-        items, rv = await list_objects(self.transport, self.res, self.opts)
-        records = convert_items(self.res, items)
+        records, rv = await list_records(self.transport, self.res, self.opts)
         self.batcher.replace(self.res.kind, records)
         self.resource_version = rv
         lists_total.labels(self._r).inc()
@@ -688,4 +691,4 @@ class Reflector:
 
 __all__ = ["ApiError", "ApiHealth", "Backoff", "ENDPOINTSLICES", "EventBatcher", "Expired", "Forbidden",
            "NAMESPACES", "NODES", "Options", "PODS", "Reflector", "Resource", "SERVICES",
-           "Transport", "Unreachable", "convert_items", "forbidden_hint", "list_objects", "object_key"]
+           "Transport", "Unreachable", "convert_items", "forbidden_hint", "list_records", "object_key"]
