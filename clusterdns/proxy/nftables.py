@@ -184,8 +184,8 @@ def _slot_elements(name: str, offset: int, endpoints) -> Iterator[tuple[str, str
 
 @lru_cache(maxsize=256)
 def _shares(count: int) -> tuple[tuple[int, int], ...]:
-    """The (lo, hi) of each of `count` even shares of a slot, from its offset (as _slot_elements)."""
-    return tuple((i * SLOT // count, (i + 1) * SLOT // count - 1) for i in range(count))
+    """shares(count), kept: the (lo, hi) of a slot's shares from its offset, as _slot_elements spells them."""
+    return tuple(shares(count))
 
 
 def _hairpin_element(ip: str) -> tuple[str, str, tuple]:
