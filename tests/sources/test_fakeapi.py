@@ -95,7 +95,7 @@ async def test_watch_timeout_bookmarks_and_drop(api):
     rv = api.resource_version
     t0 = time.monotonic()
     assert await watch(api, "/api/v1/services", resourceVersion=rv, timeoutSeconds=1) == []
-    assert 0.9 <= time.monotonic() - t0 < 2.5
+    assert 0.9 <= time.monotonic() - t0 < 10     # ended by its timeoutSeconds, not left open
 
     async def later(fn, *args):
         await asyncio.sleep(0.3)
