@@ -243,3 +243,74 @@ def test_a_port_equal_to_a_seen_one_but_of_another_type_is_still_invalid(port):
         convert("EndpointSlice", with_(SLICE, ["ports"], [{"name": "http", "port": port, "protocol": "TCP"}]))
     with pytest.raises(InvalidObject, match="port must be an integer"):
         convert("Service", with_(SERVICE, ["spec", "ports"], [{"name": "http", "port": port, "protocol": "TCP"}]))
+
+
+_COND_VALUES = [None, True, False, 1, 0, "true", []]
+_COMMON = 4   # the common (valid) values listed this many times: most examples reach the inline path
+_ENDPOINT_FIELDS = {
+    "addresses": st.sampled_from([["10.0.0.1"]] * _COMMON + [
+        None, [], ["10.0.0.01"], ["10.0.0.1", "10.0.0.2"], ["fd00::1"], [" 10.0.0.1"], [167772161], "10.0.0.1"]),
+    "conditions": st.none() | st.sampled_from([{}, [], "ready"]) | st.dictionaries(
+        st.sampled_from(["ready", "serving", "terminating"]), st.sampled_from(_COND_VALUES)),
+    "hostname": st.sampled_from([None, "", "web-0", "Web", "a.b", 7]),
+    "nodeName": st.sampled_from(["n1"] * _COMMON + [None, "", "node.example", "node 1", "N1", 7]),
+    "zone": st.sampled_from(["zone-a"] * _COMMON + [None, "", "Zone_A.1", "zone\"1", "-z", 7]),
+    "targetRef": st.sampled_from([{"kind": "Pod", "name": "web-0", "namespace": "shop"}] * _COMMON + [
+        None, [], {}, {"kind": "Pod", "name": "web-0"}, {"kind": "Pod", "name": "web-0", "namespace": "other"},
+        {"kind": "Pod", "name": "web-0", "namespace": "Bad"}, {"kind": "Pod", "name": "Web"},
+        {"kind": "Pod", "name": 5}, {"kind": "Pod", "name": ""}, {"kind": "Node", "name": "n1"}]),
+    "hints": st.sampled_from([None, {}, {"forZones": [{"name": "zone-a"}]}, []]),
+}
+
+
+_VALID_ENDPOINT = {"addresses": ["10.0.0.1"], "conditions": {"ready": True, "serving": True, "terminating": False},
+                   "hostname": "web-0", "nodeName": "n1", "zone": "zone-a",
+                   "targetRef": {"kind": "Pod", "name": "web-0", "namespace": "shop"}}
+
+
+def _endpoints():
+    """A valid endpoint with a few fields left out or changed, or anything of the fields' values."""
+    def changed(args):
+        dropped, changes = args
+        ep = {k: v for k, v in copy.deepcopy(_VALID_ENDPOINT).items() if k not in dropped}
+        ep.update(changes)
+        return ep
+    one = st.sampled_from(sorted(_ENDPOINT_FIELDS)).flatmap(
+        lambda k: st.tuples(st.just(k), _ENDPOINT_FIELDS[k]))
+    mixed = st.tuples(st.sets(st.sampled_from(sorted(_VALID_ENDPOINT))),
+                      st.lists(one, max_size=2).map(dict)).map(changed)
+    conditions = st.dictionaries(st.sampled_from(["ready", "serving", "terminating"]),
+                                 st.sampled_from(_COND_VALUES)).map(lambda c: {**_VALID_ENDPOINT, "conditions": c})
+    return mixed | conditions | st.fixed_dictionaries({}, optional=_ENDPOINT_FIELDS) \
+        | st.sampled_from([None, [], "10.0.0.1"])
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_endpoints(), st.booleans())
+def test_the_plain_endpoint_path_agrees_with_the_checked_one(ep, remembered):
+    """_plain_endpoints (IPv4 slices' endpoints inline) takes or refuses what _endpoint does, with
+    the same record or message, whether or not the names it reads from the memos are in them."""
+    from clusterdns.sources import objects
+
+    if not remembered:
+        for memo in objects._SEEN.values():
+            memo.clear()
+
+    def outcome(fn):   # repr: True and 1 are equal, not the same
+        try:
+            return repr(fn())
+        except (InvalidObject, AttributeError, TypeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+    checked = outcome(lambda: [objects._endpoint(ep, 0, "IPv4", "shop")])
+    assert outcome(lambda: objects._plain_endpoints([ep], "shop")) == checked
+    assert outcome(lambda: objects._plain_endpoints([ep], "shop")) == checked   # now with the memos filled
+
+
+@pytest.mark.parametrize("value", [1, 0])
+def test_a_condition_equal_to_a_seen_boolean_is_still_invalid(value):
+    for atype, address in (("IPv4", "10.0.0.1"), ("IPv6", "fd00::1")):
+        sl = with_(with_(SLICE, ["addressType"], atype), ["endpoints"],
+                   [{"addresses": [address], "conditions": {"ready": bool(value)}}])
+        assert convert("EndpointSlice", sl).endpoints[0].ready is bool(value)   # (True/False,) remembered
+        with pytest.raises(InvalidObject, match="conditions.ready: expected a boolean"):
+            convert("EndpointSlice", with_(sl, ["endpoints", 0, "conditions"], {"ready": value}))
