@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -314,3 +315,48 @@ def test_a_condition_equal_to_a_seen_boolean_is_still_invalid(value):
         assert convert("EndpointSlice", sl).endpoints[0].ready is bool(value)   # (True/False,) remembered
         with pytest.raises(InvalidObject, match="conditions.ready: expected a boolean"):
             convert("EndpointSlice", with_(sl, ["endpoints", 0, "conditions"], {"ready": value}))
+
+
+def test_every_service_field_lands_in_its_own_record_field():
+    """service_from_dict builds the record positionally: each field set to a value of its own."""
+    from clusterdns.model import Service, ServicePort
+    obj = {"apiVersion": "v1", "kind": "Service",
+           "metadata": {"name": "lb", "namespace": "shop",
+                        "labels": {"service.kubernetes.io/service-proxy-name": "mine", "app": "x"},
+                        "annotations": {"service.kubernetes.io/topology-mode": "Auto"}},
+           "spec": {"type": "LoadBalancer", "clusterIPs": ["10.96.0.9"], "externalIPs": ["192.0.2.1"],
+                    "ports": [{"name": "http", "port": 80, "nodePort": 30080, "targetPort": "web"}],
+                    "loadBalancerSourceRanges": ["203.0.113.0/24"], "sessionAffinity": "ClientIP",
+                    "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}},
+                    "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                    "healthCheckNodePort": 31000},
+           "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.7"}]}}}
+    assert convert("Service", obj) == Service(
+        namespace="shop", name="lb", type="LoadBalancer", cluster_ips=("10.96.0.9",), headless=False,
+        external_name="", ports=(ServicePort("http", "TCP", 80, 30080, "web"),), external_ips=("192.0.2.1",),
+        lb_ips=("198.51.100.7",), lb_source_ranges=("203.0.113.0/24",), affinity_timeout=60,
+        external_local=True, internal_local=True, health_check_node_port=31000, topology_aware=True,
+        proxy_name="mine", labels=(("app", "x"), ("service.kubernetes.io/service-proxy-name", "mine")))
+    headless = convert("Service", with_(obj, ["spec"], {"clusterIP": "None"}))
+    assert (headless.type, headless.headless, headless.cluster_ips) == ("ClusterIP", True, ())
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (["spec"], [], "spec: expected mapping, got list"),
+    (["spec", "type"], 7, "spec.type: expected string, got int 7"),
+    (["spec", "clusterIPs"], "10.96.0.5", "spec.clusterIPs: expected list, got str"),
+    (["spec", "ports"], {"port": 80}, "spec.ports: expected list, got dict"),
+    (["spec", "healthCheckNodePort"], True, "spec.healthCheckNodePort: port must be an integer, got True"),
+    (["spec", "healthCheckNodePort"], None, "spec.healthCheckNodePort: port must be an integer, got None"),
+    (["spec", "healthCheckNodePort"], 70000, "spec.healthCheckNodePort: port 70000 out of range"),
+])
+def test_service_spec_fields_of_another_type_take_the_checked_path(path, value, message):
+    """The usual types are read inline; anything else goes through _get / _port_number and their messages."""
+    with pytest.raises(InvalidObject, match=re.escape(message)):
+        convert("Service", with_(SERVICE, path, value))
+
+
+@pytest.mark.parametrize("path", [["spec"], ["spec", "type"], ["spec", "ports"], ["spec", "clusterIPs"]])
+def test_null_service_spec_fields_take_their_defaults(path):
+    svc = convert("Service", with_(SERVICE, path, None))
+    assert svc.type == "ClusterIP" and svc.health_check_node_port == 0
