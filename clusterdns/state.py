@@ -175,14 +175,22 @@ class StateStore:
             new = {record_key(kind, r): r for r in records}
             slices = kind == "EndpointSlice"
             gone, came = _replaced(table, new)
-            for old in gone:
-                self._touch(kind, old)
-                if slices:
-                    self._reindex(old, None)
-            for rec in came:
-                self._touch(kind, rec)
-                if slices:
-                    self._reindex(None, rec)
+            if gone or came:   # _touch and _reindex of each, without the calls (20,000 at a first load)
+                self._kinds.add(kind)
+                if kind == "Service":
+                    self._changed.update([r.key for r in gone], [r.key for r in came])
+                elif slices:
+                    for old in gone:
+                        self._reindex(old, None)
+                    by_service = self._by_service
+                    keys = [r.service_key for r in came]
+                    for skey, rec in zip(keys, came):
+                        group = by_service.get(skey)
+                        if group is None:
+                            group = by_service[skey] = {}
+                        group[rec.key] = rec
+                    self._index_dirty.update(keys)
+                    self._changed.update([r.service_key for r in gone], keys)
             table.clear()
             table.update(new)
             if synced:
@@ -257,7 +265,7 @@ class StateStore:
             for key in self._index_dirty:
                 group = self._by_service.get(key)
                 if group:
-                    index[key] = tuple(group[k] for k in sorted(group))
+                    index[key] = tuple(group.values()) if len(group) == 1 else tuple([group[k] for k in sorted(group)])
                 else:
                     index.pop(key, None)
             self._index = MappingProxyType(index)
