@@ -463,16 +463,14 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
         if type(ref) is not dict:
             raise InvalidObject(f"endpoints[{i}].targetRef: expected a mapping")
         if ref.get("kind") == "Pod":
-            pod_name = ref.get("name") or ""
-            if type(pod_name) is not str or (pod_name and not _DNS1123_SUBDOMAIN.match(pod_name)):
-                _name(_opt_str(ref, "name", f"endpoints[{i}].targetRef"), _DNS1123_SUBDOMAIN, "Pod name",
-                      f"endpoints[{i}].targetRef.name")
-            pod_ns = ref.get("namespace") or ns
-            if pod_ns is not ns and pod_ns != ns:
-                pod_ns = _check_label(_opt_str(ref, "namespace", f"endpoints[{i}].targetRef"), _DNS1123_LABEL,
-                                      "namespace", f"endpoints[{i}].targetRef.namespace")
+            pod_name = _opt_str(ref, "name", f"endpoints[{i}].targetRef")
+            if pod_name and not _DNS1123_SUBDOMAIN.match(pod_name):
+                _name(pod_name, _DNS1123_SUBDOMAIN, "Pod name", f"endpoints[{i}].targetRef.name")
+            pod_ns = _opt_str(ref, "namespace", f"endpoints[{i}].targetRef") or ns
+            if pod_ns != ns:
+                pod_ns = _check_label(pod_ns, _DNS1123_LABEL, "namespace", f"endpoints[{i}].targetRef.namespace")
             else:
-                pod_ns = ns
+                pod_ns = ns     # the slice's string, shared
     hints = get("hints")
     hint_zones = None
     if hints is not None:
@@ -489,6 +487,10 @@ def _endpoint(ep: Any, i: int, atype: str, ns: str) -> Endpoint:
                          hint_zones, pod_name, pod_ns)
 
 
+class _NotPlain(Exception):
+    """An endpoint _plain_endpoints leaves to _endpoint."""
+
+
 def _plain_endpoints(eps: list, ns: str, E: Any = Endpoint, pton: Any = _pton, ntop: Any = _ntop,
                      af: int = _AF_INET, label: Any = _DNS1123_LABEL.match,
                      subdomain: Any = _DNS1123_SUBDOMAIN.match) -> list[Endpoint]:
@@ -500,97 +502,85 @@ def _plain_endpoints(eps: list, ns: str, E: Any = Endpoint, pton: Any = _pton, n
     append = out.append
     node_names = _NODE_NAMES
     zones = _ZONES
+    not_plain = _NotPlain
     for i, ep in enumerate(eps):
-        if type(ep) is not dict:
-            append(_endpoint(ep, i, IPV4, ns))
-            continue
-        get = ep.get
-        addrs = get("addresses")
-        if type(addrs) is not list or len(addrs) != 1 or get("hints") is not None:
-            append(_endpoint(ep, i, IPV4, ns))
-            continue
-        a = addrs[0]
         try:
-            if type(a) is not str or ntop(af, pton(af, a)) != a:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-        except OSError:
-            append(_endpoint(ep, i, IPV4, ns))
-            continue
-        conds = get("conditions")
-        ready: Any
-        serving: Any
-        terminating: Any
-        if conds is None:
-            ready = serving = True
-            terminating = False
-        elif type(conds) is dict:
-            # identity, not ==: 1 == True, and a 1 is invalid here
-            ready = conds.get("ready")
-            serving = conds.get("serving")
-            terminating = conds.get("terminating")
-            if ready is None:
-                ready = True
-            elif ready is not True and ready is not False:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-            if serving is None:
-                serving = ready
-            elif serving is not True and serving is not False:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-            if terminating is None:
+            if type(ep) is not dict:
+                raise not_plain
+            get = ep.get
+            addrs = get("addresses")
+            if type(addrs) is not list or len(addrs) != 1 or get("hints") is not None:
+                raise not_plain
+            a = addrs[0]
+            try:
+                if type(a) is not str or ntop(af, pton(af, a)) != a:
+                    raise not_plain
+            except OSError:
+                raise not_plain from None
+            conds = get("conditions")
+            ready: Any
+            serving: Any
+            terminating: Any
+            if conds is None:
+                ready = serving = True
                 terminating = False
-            elif terminating is not True and terminating is not False:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-        else:
+            elif type(conds) is dict:
+                # identity, not ==: 1 == True, and a 1 is invalid here
+                ready = conds.get("ready")
+                serving = conds.get("serving")
+                terminating = conds.get("terminating")
+                if ready is None:
+                    ready = True
+                elif ready is not True and ready is not False:
+                    raise not_plain
+                if serving is None:
+                    serving = ready
+                elif serving is not True and serving is not False:
+                    raise not_plain
+                if terminating is None:
+                    terminating = False
+                elif terminating is not True and terminating is not False:
+                    raise not_plain
+            else:
+                raise not_plain
+            hostname = get("hostname")
+            if hostname is None:
+                hostname = ""
+            elif type(hostname) is not str or (hostname and not label(hostname)):
+                raise not_plain
+            # the shared strings of names seen before; None (not plain) when invalid or new
+            node_name = get("nodeName")
+            if node_name is None or node_name == "":
+                node_name = ""
+            else:
+                node_name = node_names.get(node_name) if type(node_name) is str else None
+                if node_name is None:
+                    raise not_plain
+            zone = get("zone")
+            if zone is None or zone == "":
+                zone = ""
+            else:
+                zone = zones.get(zone) if type(zone) is str else None
+                if zone is None:
+                    raise not_plain
+            pod_name = pod_ns = ""
+            ref = get("targetRef")
+            if ref is not None:
+                if type(ref) is not dict:
+                    raise not_plain
+                if ref.get("kind") == "Pod":
+                    pod_name = ref.get("name")
+                    if pod_name is None:
+                        pod_name = ""
+                    elif type(pod_name) is not str or (pod_name and not subdomain(pod_name)):
+                        raise not_plain
+                    pod_ns = ref.get("namespace")
+                    if pod_ns is not None and pod_ns != ns:
+                        raise not_plain
+                    pod_ns = ns
+        except not_plain:
             append(_endpoint(ep, i, IPV4, ns))
             continue
-        hostname = get("hostname")
-        if hostname is None:
-            hostname = ""
-        elif type(hostname) is not str or (hostname and not label(hostname)):
-            append(_endpoint(ep, i, IPV4, ns))
-            continue
-        node_name = get("nodeName")
-        if node_name is None:
-            node_name = ""
-        elif type(node_name) is not str:
-            append(_endpoint(ep, i, IPV4, ns))
-            continue
-        elif node_name:
-            node_name = node_names.get(node_name)   # the shared string, None when invalid or new
-            if node_name is None:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-        zone = get("zone")
-        if zone is None:
-            zone = ""
-        elif type(zone) is not str:
-            append(_endpoint(ep, i, IPV4, ns))
-            continue
-        elif zone:
-            zone = zones.get(zone)
-            if zone is None:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-        pod_name = pod_ns = ""
-        ref = get("targetRef")
-        if ref is not None:
-            if type(ref) is not dict:
-                append(_endpoint(ep, i, IPV4, ns))
-                continue
-            if ref.get("kind") == "Pod":
-                pod_name = ref.get("name") or ""
-                if type(pod_name) is not str or (pod_name and not subdomain(pod_name)):
-                    append(_endpoint(ep, i, IPV4, ns))
-                    continue
-                pod_ns = ref.get("namespace") or ns
-                if pod_ns is not ns and pod_ns != ns:
-                    append(_endpoint(ep, i, IPV4, ns))
-                    continue
-                pod_ns = ns
         append(E((a,), ready, serving, terminating, hostname, node_name, zone, None, pod_name, pod_ns))
     return out
 

@@ -254,12 +254,14 @@ _ENDPOINT_FIELDS = {
     "conditions": st.none() | st.sampled_from([{}, [], "ready"]) | st.dictionaries(
         st.sampled_from(["ready", "serving", "terminating"]), st.sampled_from(_COND_VALUES)),
     "hostname": st.sampled_from([None, "", "web-0", "Web", "a.b", 7]),
-    "nodeName": st.sampled_from(["n1"] * _COMMON + [None, "", "node.example", "node 1", "N1", 7]),
-    "zone": st.sampled_from(["zone-a"] * _COMMON + [None, "", "Zone_A.1", "zone\"1", "-z", 7]),
+    "nodeName": st.sampled_from(["n1"] * _COMMON + [None, "", "node.example", "node 1", "N1", 7, 0, False]),
+    "zone": st.sampled_from(["zone-a"] * _COMMON + [None, "", "Zone_A.1", "zone\"1", "-z", 7, 0, False]),
     "targetRef": st.sampled_from([{"kind": "Pod", "name": "web-0", "namespace": "shop"}] * _COMMON + [
         None, [], {}, {"kind": "Pod", "name": "web-0"}, {"kind": "Pod", "name": "web-0", "namespace": "other"},
         {"kind": "Pod", "name": "web-0", "namespace": "Bad"}, {"kind": "Pod", "name": "Web"},
-        {"kind": "Pod", "name": 5}, {"kind": "Pod", "name": ""}, {"kind": "Node", "name": "n1"}]),
+        {"kind": "Pod", "name": 5}, {"kind": "Pod", "name": ""}, {"kind": "Node", "name": "n1"},
+        {"kind": "Pod", "name": 0}, {"kind": "Pod", "name": "web-0", "namespace": False},
+        {"kind": "Pod", "name": "web-0", "namespace": ""}, {"kind": "Pod", "name": "web-0", "namespace": 0}]),
     "hints": st.sampled_from([None, {}, {"forZones": [{"name": "zone-a"}]}, []]),
 }
 
@@ -317,6 +319,16 @@ def test_a_condition_equal_to_a_seen_boolean_is_still_invalid(value):
             convert("EndpointSlice", with_(sl, ["endpoints", 0, "conditions"], {"ready": value}))
 
 
+@pytest.mark.parametrize("field,value", [("name", 0), ("name", False), ("name", []),
+                                         ("namespace", 0), ("namespace", False)])
+@pytest.mark.parametrize("atype,address", [("IPv4", "10.0.0.1"), ("IPv6", "fd00::1")])
+def test_a_falsy_non_string_in_a_pod_target_ref_is_invalid(field, value, atype, address):
+    ref = {"kind": "Pod", "name": "web-0", field: value}
+    sl = with_(with_(SLICE, ["addressType"], atype), ["endpoints"], [{"addresses": [address], "targetRef": ref}])
+    with pytest.raises(InvalidObject, match=f"targetRef.{field}: expected string"):
+        convert("EndpointSlice", sl)
+
+
 def test_every_service_field_lands_in_its_own_record_field():
     """service_from_dict builds the record positionally: each field set to a value of its own."""
     from clusterdns.model import Service, ServicePort
@@ -339,6 +351,15 @@ def test_every_service_field_lands_in_its_own_record_field():
         proxy_name="mine", labels=(("app", "x"), ("service.kubernetes.io/service-proxy-name", "mine")))
     headless = convert("Service", with_(obj, ["spec"], {"clusterIP": "None"}))
     assert (headless.type, headless.headless, headless.cluster_ips) == ("ClusterIP", True, ())
+    # the three flags apart: each alone True, so a swap of two of them in the call shows
+    plain = with_(with_(with_(obj, ["metadata", "annotations"], {}), ["spec", "externalTrafficPolicy"], "Cluster"),
+                  ["spec", "internalTrafficPolicy"], "Cluster")
+    for path, value, want in ((["spec", "externalTrafficPolicy"], "Local", (True, False, False)),
+                              (["spec", "internalTrafficPolicy"], "Local", (False, True, False)),
+                              (["metadata", "annotations"], {"service.kubernetes.io/topology-mode": "Auto"},
+                               (False, False, True))):
+        svc = convert("Service", with_(plain, path, value))
+        assert (svc.external_local, svc.internal_local, svc.topology_aware) == want
 
 
 @pytest.mark.parametrize("path,value,message", [
