@@ -563,7 +563,8 @@ def _plain_endpoints(eps: list, ns: str, E: Any = Endpoint, pton: Any = _pton, n
                 zone = zones.get(zone) if type(zone) is str else None
                 if zone is None:
                     raise not_plain
-            pod_name = pod_ns = ""
+            pod_name: Any = ""
+            pod_ns: Any = ""
             ref = get("targetRef")
             if ref is not None:
                 if type(ref) is not dict:
