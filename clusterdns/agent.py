@@ -185,9 +185,6 @@ class Agent:
             old.cancel()
         self._tasks[name] = asyncio.ensure_future(coro)
 
-    async def _start_dns(self) -> None:
-        await self._replace_dns()
-
     async def _replace_dns(self) -> None:
         """Start DNS; on a reload, bind the new listeners before closing the old ones: an
         address that cannot be bound raises and leaves the running server as it was."""
@@ -349,7 +346,7 @@ class Agent:
             gc.disable()
             self._gc_paused = True
             asyncio.get_running_loop().call_later(GC_PAUSE_LIMIT, self._resume_gc)
-        await self._start_dns()
+        await self._replace_dns()
         if self.cfg.agent.config_file:
             self._spawn("config-watch", self._watch_config())
 

@@ -553,7 +553,7 @@ def nftables_path(state: ClusterState, cfg: Config, svc, family: int, mode: str)
 def _nft_port(nft, table, objs, info, cat) -> dict:
     """One service port's part of the Service's nftables objects (read from them, not from text)."""
     from .proxy import names
-    from .proxy.nftobj import Addr, FibLocal, Lookup, Verdict
+    from .proxy.nftobj import Addr, Endpoint, FibLocal, Lookup, Verdict, element_of
     fam = "ip6" if table.family == 6 else "ip"
     base = info.nft_base
     svc_chain, local_chain = names.nft_service_chain(base), names.nft_local_chain(base)
@@ -566,7 +566,7 @@ def _nft_port(nft, table, objs, info, cat) -> dict:
     node_key = (info.protocol, str(info.node_port))
     entry = []
     for set_name, _, stored in objs.elements:
-        elem = nft.element_of(stored)
+        elem = element_of(stored)
         if set_name.startswith(nft.ENDPOINTS_PREFIX) or set_name == nft.HAIRPIN or elem.interval:
             continue
         targets_ours = isinstance(elem.value, Verdict) and elem.value.chain in ours
@@ -585,11 +585,12 @@ def _nft_port(nft, table, objs, info, cat) -> dict:
             map_name = nft.endpoints_map(bucket)
             lo_slot, hi_slot = index * nft.SLOT, (index + 1) * nft.SLOT - 1
             for set_name, key, stored in objs.range_elements():
-                elem = nft.element_of(stored)
-                if set_name != map_name or not lo_slot <= elem.key[0] <= hi_slot:
+                elem = element_of(stored)
+                value = elem.value
+                if set_name != map_name or not lo_slot <= elem.key[0] <= hi_slot or not isinstance(value, Endpoint):
                     continue
                 lo, hi = elem.key
-                ip, port = elem.value.ip, elem.value.port
+                ip, port = value.ip, value.port
                 endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
                 ep = by_endpoint.get(endpoint)
                 dispatch.append({"chain": chain, "target": f"@{map_name} {key}",

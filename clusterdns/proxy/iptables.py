@@ -17,6 +17,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from ..config import Config
+from ..lifetime import gc_paused
 from ..state import ClusterState
 from . import iptsave
 from . import names as n
@@ -26,7 +27,6 @@ from .servicemap import (
     NodeInfo,
     ServicePortInfo,
     cache,
-    gc_paused,
     localhost_nodeports,
     node_info,
     service_ports,

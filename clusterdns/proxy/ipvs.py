@@ -18,9 +18,10 @@ import ipaddress
 from dataclasses import dataclass
 
 from ..config import Config
+from ..lifetime import gc_paused
 from ..state import ClusterState
 from .iptables import mark_hex
-from .servicemap import Categorized, ServicePortInfo, gc_paused, node_info, parse_endpoint, service_ports
+from .servicemap import Categorized, ServicePortInfo, node_info, parse_endpoint, service_ports
 
 SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq")
 DEVICE = "kube-ipvs0"

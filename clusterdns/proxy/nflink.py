@@ -891,7 +891,7 @@ def _header(length: int, kind: int, flags: int, seq: int) -> bytes:
 
 
 _SEQ = struct.Struct("=I")
-_BATCH_GEN = struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES))   # nfgenmsg, res_id: the subsystem
+_BATCH_GEN = _fam_hdr(0, NFNL_SUBSYS_NFTABLES)   # nfgenmsg, res_id: the subsystem
 
 
 def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:

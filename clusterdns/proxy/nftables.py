@@ -38,6 +38,7 @@ from functools import cached_property, lru_cache
 from typing import Iterable, Iterator, Mapping
 
 from ..config import Config
+from ..lifetime import gc_paused
 from ..state import ClusterState
 from . import names as n
 from .nftobj import (
@@ -61,7 +62,6 @@ from .nftobj import (
     Update,
     Verdict,
     Vmap,
-    element_of,
     rule,
     stored,
 )
@@ -71,7 +71,6 @@ from .servicemap import (
     NodeInfo,
     ServicePortInfo,
     format_endpoint,
-    gc_paused,
     node_info,
     service_ports,
     service_ports_for,
@@ -166,10 +165,6 @@ class Objects:
         """(endpoint map, key text, element) of each endpoint-map element, as `elements` holds the others."""
         for name, offset, endpoints in self.ranges:
             yield from _slot_elements(name, offset, endpoints)
-
-    def hairpin_elements(self) -> Iterator[tuple[str, str, tuple]]:
-        for ip in self.hairpin:
-            yield _hairpin_element(ip)
 
 
 def _slot_elements(name: str, offset: int, endpoints) -> Iterator[tuple[str, str, tuple]]:
@@ -817,9 +812,6 @@ def nodeport_addresses(cfg: Config, node: NodeInfo, family: int) -> tuple[bool, 
     return True, ()
 
 
-_new = tuple.__new__
-
-
 def _uses_cluster(info: ServicePortInfo) -> bool:
     """The Cluster-policy chain is needed: internal Cluster traffic, or the eTP Local short-circuits."""
     return not info.internal_local or info.externally_accessible
@@ -1235,7 +1227,7 @@ def diff_ops(old: NftState, new: NftState) -> list[Op]:
         now = new.elements.get(s, {})
         for key, elem in elems.items():
             if now.get(key) != elem:
-                ops.append(Op("delete", "element", s, (element_of(elem),)))
+                ops.append(Op("delete", "element", s, (elem,)))   # stored form: text and netlink read it
     for c in changed + removed_chains:
         ops.append(Op("flush", "chain", c))
     for c in removed_chains:
@@ -1254,7 +1246,7 @@ def diff_ops(old: NftState, new: NftState) -> list[Op]:
         before = {} if (s in recreated or s in added_sets) else old.elements.get(s, {})
         for key, elem in elems.items():
             if before.get(key) != elem:
-                ops.append(Op("add", "element", s, (element_of(elem),)))
+                ops.append(Op("add", "element", s, (elem,)))   # stored form: text and netlink read it
     return ops
 
 

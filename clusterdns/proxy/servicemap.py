@@ -14,7 +14,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from ..config import Config
-from ..lifetime import gc_paused  # noqa: F401  (the renderers import it from here)
+from ..lifetime import gc_paused
 from ..model import IPV4, IPV6, EndpointSlice, Service, ServicePort
 from ..state import ClusterState
 from . import names
