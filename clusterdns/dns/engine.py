@@ -29,6 +29,7 @@ from .wire import (
     AA,
     AXFR,
     BADVERS,
+    CD,
     EMPTY,
     FORMERR,
     IXFR,
@@ -38,6 +39,7 @@ from .wire import (
     NXDOMAIN,
     OPT_TYPE,
     QR,
+    QUERY_FLAGS,
     REFUSED,
     SERVFAIL,
     TC,
@@ -88,7 +90,11 @@ def _same_answer(a: DNSRecord, b: DNSRecord) -> bool:
 def _forwarded_key(data: bytes, qend: int, do: bool) -> bytes:
     """The key of a forwarded answer kept for the fast path: the question's name (lower case)
     and type, then the DO and CD bits (each pair its own answer, as in the forwarder's cache)."""
-    return data[12:qend - 4].lower() + data[qend - 4:qend - 2] + _DO_CD[(2 if do else 0) | (1 if data[3] & 0x10 else 0)]
+    return data[12:qend - 4].lower() + data[qend - 4:qend - 2] + _do_cd(data, do)
+
+
+def _do_cd(data: bytes, do: bool) -> bytes:
+    return _DO_CD[(2 if do else 0) | (1 if data[3] & CD else 0)]   # CD is in the low flags byte
 
 
 _DO_CD = (b"\x00", b"\x01", b"\x02", b"\x03")
@@ -197,7 +203,8 @@ class Engine:
             entry = self._memo_miss(view, key)
             if entry is None:
                 if self._fwd:
-                    reply = self._fast_forwarded(_forwarded_key(data, qend, edns > 0), data, qend, opt, limit)
+                    # the memo key is the question's name and type in lower case: the forwarded key's start
+                    reply = self._fast_forwarded(key + _do_cd(data, edns > 0), data, qend, opt, limit)
                     if reply is not None:
                         return reply
                 entry = self._first(view, data, end, qend, key)
@@ -211,7 +218,7 @@ class Engine:
             spots = zone != zone.lower()
         if spots or qend + len(body.data) + len(opt) > limit:
             return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
-        return b"".join((data[:2], struct.pack(">HHHHH", entry.flags | ((data[2] << 8 | data[3]) & 0x0110), 1,
+        return b"".join((data[:2], struct.pack(">HHHHH", entry.flags | ((data[2] << 8 | data[3]) & QUERY_FLAGS), 1,
                                                body.an, body.ns, body.ar + (1 if opt else 0)),
                          data[12:qend], body.data, opt))
 
@@ -280,7 +287,7 @@ class Engine:
         body = f.at(int(left))
         if qend + len(body.data) + len(opt) > limit:
             return render(body, f.flags, data, data[12:qend], 1, opt, limit)
-        flags = f.flags | ((data[2] << 8 | data[3]) & 0x0110)
+        flags = f.flags | ((data[2] << 8 | data[3]) & QUERY_FLAGS)
         return b"".join((data[:2], struct.pack(">HHHHH", flags, 1, body.an, body.ns, body.ar + (1 if opt else 0)),
                          data[12:qend], body.data, opt))
 

@@ -519,7 +519,7 @@ class ZoneView:
             return None
         if sd.kind == "headless" and not sd.ready:
             return None
-        if sd.kind == "cluster" and self.cfg.dns.ignore_empty_service and not sd.ready:
+        if sd.kind == "cluster" and self.cfg.dns.ignore_empty_service and next(sd.ready_addresses(), None) is None:
             return None
         if sd.kind == "external" and not sd.target:
             return None
