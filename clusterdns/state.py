@@ -299,6 +299,8 @@ def _replaced(old: Mapping, new: dict) -> tuple[list, list]:
         rec = new.get(key)
         if rec is None:
             gone.append(was)
+        elif rec is was:            # already the served object (a reload's frames swap them in)
+            continue
         elif rec == was:
             new[key] = was
         else:

@@ -727,9 +727,10 @@ def _served_copies(served: ClusterState, pairs: list[tuple[str, Any]]) -> list[t
     by that object. A reload's unchanged records are dropped frame by frame as they arrive: the
     fresh copies of a 10,000-Service file (~45 MB) never all live at once beside the served ones."""
     out = []
+    tables = {kind: served.of_kind(kind) for kind in KINDS}
     for pair in pairs:
         kind, rec = pair
-        table = served.of_kind(kind) if kind in KINDS else None
+        table = tables.get(kind)
         was = table.get(record_key(kind, rec)) if table is not None else None
         out.append((kind, was) if was is not None and was == rec else pair)
     return out

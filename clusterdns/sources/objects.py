@@ -342,10 +342,9 @@ def service_from_dict(obj: dict) -> Service:
         itp = _get(spec, "internalTrafficPolicy", str, "Cluster", where="spec")
     else:
         etp = itp = "Cluster"
-    if etp not in TRAFFIC_POLICIES or itp not in TRAFFIC_POLICIES:
-        for key, value in (("externalTrafficPolicy", etp), ("internalTrafficPolicy", itp)):
-            if value not in TRAFFIC_POLICIES:
-                raise InvalidObject(f"spec.{key}: unknown value {value!r}"[:200])
+    for key, value in (("externalTrafficPolicy", etp), ("internalTrafficPolicy", itp)):
+        if value not in TRAFFIC_POLICIES:
+            raise InvalidObject(f"spec.{key}: unknown value {value!r}"[:200])
     label_items = _labels(labels)
     proxy_name = labels.get(PROXY_NAME_LABEL, "")
     if proxy_name:
