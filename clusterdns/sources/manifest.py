@@ -309,10 +309,12 @@ def _printable(value: Any) -> str:
     return text[:100] if text.isprintable() and text.isascii() else ascii(text[:100])
 
 
-def parse_file(path: str, limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
-    """Read, parse and convert one file; raises ManifestError."""
+def parse_file(path: str, limits: Limits = DEFAULT_LIMITS, raw: bytes | None = None,
+               ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
+    """Read (unless its bytes are given), parse and convert one file; raises ManifestError."""
     with gc_paused():
-        raw = read_bytes(path, limits)
+        if raw is None:
+            raw = read_bytes(path, limits)
         pieces = _parse_in_pieces(raw, path, limits)
         if pieces is not None:
             return pieces
@@ -560,19 +562,26 @@ def _json_text(raw: bytes) -> str | None:
 
 
 def parse_file_lean(path: str, limits: Limits = DEFAULT_LIMITS, flush: Callable[[list | None], None] | None = None,
+                    whole: Callable[..., tuple[list[tuple[str, Any]], list[Skipped]]] | None = None,
                     ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     """parse_file, a JSON List read item by item (parse_json_list); raises ManifestError.
     flush: as records_from_documents's, for a JSON List; flush(None) when what it was given
-    is void (the file was not a List after all, and is parsed whole: all returned)."""
-    text = _json_text(read_bytes(path, limits))
-    if text is not None:
-        try:
-            return parse_json_list(text, path, limits, flush)
-        except NotAJsonList:
-            if flush is not None:
-                flush(None)
+    is void (the file was not a List after all, and is parsed whole: all returned).
+    whole(path, limits, raw): what parses any other file (parse_file; raw its bytes, or None
+    once they were dropped for the JSON read)."""
+    whole = whole or parse_file
+    raw = read_bytes(path, limits)
+    text = _json_text(raw)
+    if text is None:
+        return whole(path, limits, raw)
+    del raw
+    try:
+        return parse_json_list(text, path, limits, flush)
+    except NotAJsonList:
+        if flush is not None:
+            flush(None)
     del text
-    return parse_file(path, limits)
+    return whole(path, limits, None)
 
 
 def load_files(paths: Iterable[str], limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[str, Any]], list[Skipped]]:
@@ -925,14 +934,7 @@ class ManifestSource:
         worker, whose peak memory (the whole document) goes away with it."""
         if not (self.worker and stamp and stamp[1] >= WORKER_MIN_BYTES):
             return parse_file(path, self.limits)
-        text = _json_text(read_bytes(path, self.limits))
-        if text is not None:
-            try:
-                return parse_json_list(text, path, self.limits)
-            except NotAJsonList:
-                pass
-        del text
-        return parse_in_worker(path, self.limits)
+        return parse_file_lean(path, self.limits, whole=lambda p, limits, _raw: parse_in_worker(p, limits))
 
     def load(self, strict: bool = False) -> bool:
         """(Re)load changed files at once, in this process or a blocking worker; True if published.
