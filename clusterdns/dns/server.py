@@ -260,8 +260,10 @@ class _UdpReceiver:
     def drain(self) -> None:
         """Answer what is still queued on the socket (the thread has stopped), just before
         it is closed: with SO_REUSEPORT a successor shares the address, and queries the
-        kernel gave this socket would otherwise be lost with it."""
-        sock, fast = self.sock, self.service.engine.fast
+        kernel gave this socket would otherwise be lost with it. Counted, and a failure
+        answered SERVFAIL, as the receive loops do (runs on the loop, before the listener's
+        stats are retired)."""
+        sock, fast, stats = self.sock, self.service.engine.fast, self.stats
         try:
             sock.setblocking(False)
             for _ in range(4096):
@@ -270,13 +272,19 @@ class _UdpReceiver:
                     if addr is None:   # nothing queued (the socket is shut down for reading)
                         break
                     continue           # a wake-up datagram
+                started = perf_counter()
                 try:
                     with self.service.engine_lock:
                         reply = fast(data, False)
+                except Exception:
+                    reply = self.service.panic(data)
                     if reply is not None:
                         sock.sendto(reply, addr)
-                except Exception:   # never in the way of the stop
-                    pass
+                    stats.record(data, reply, False, started, metrics.SERVER)
+                    continue
+                if reply is not None:
+                    sock.sendto(reply, addr)
+                    stats.fast_udp(data, reply, started)
         except OSError:
             pass
 

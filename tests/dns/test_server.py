@@ -902,8 +902,10 @@ async def test_stop_answers_queries_queued_after_the_receive_thread_ended():
         q = dns.message.make_query("fast.example.", "A")
         client.sendto(q.to_wire(), (host, port))
         await asyncio.sleep(0.1)           # queued: nothing reads the socket now
+        before = _requests_total(port, "udp", "A")
         await service.stop()
         data, _ = client.recvfrom(512)
         assert dns.message.from_wire(data).answer[0][0].address == "192.0.2.1"
+        assert _requests_total(port, "udp", "A") == before + 1     # counted, as the loops count
     finally:
         client.close()
