@@ -270,10 +270,17 @@ class _Batch:
         self.lines = array("L")
         self._put(_header(16 + 4, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0), _BATCH_GEN)
         self.next_set_id = 1
-        self.family: int | None = None
         self.set_ids: dict[str, int] = {}    # named sets created in this batch: rules refer to them by id too
         self.current_line = 0
         self.full = False     # the base layout's forms are allowed (a full transaction)
+
+    def new_set_id(self, name: str | None = None) -> int:
+        """The batch-local id of a set made in this batch; a named one is remembered for its rules."""
+        set_id = self.next_set_id
+        self.next_set_id += 1
+        if name is not None:
+            self.set_ids[name] = set_id
+        return set_id
 
     def _put(self, head: bytes, body: bytes) -> int:
         """Write one message; its place (piece << 32 | offset)."""
@@ -431,8 +438,7 @@ def _rule(batch: _Batch, family: int, chain: str, r: Rule, line: int) -> None:
             mod = len(st.targets)
             elems = [_nest(1, _value(1, struct.pack("=I", i)), _verdict(2, NFT_GOTO, target))
                      for i, target in enumerate(st.targets)]
-            set_id = batch.next_set_id
-            batch.next_set_id += 1
+            set_id = batch.new_set_id()
             fam = _nfproto(family)
             batch.add(NEWSET, NLM_F_CREATE, _fam_hdr(fam) + b"".join((
                 _str(1, TABLE), _str(2, "__map%d"),
@@ -491,8 +497,7 @@ def _saddr_not_in(batch: _Batch, family: int, items: tuple[str, ...], field: str
     elems = [elem(0, True)]
     for start, end in ranges:
         elems += [elem(start, False), elem(end, True)]
-    set_id = batch.next_set_id
-    batch.next_set_id += 1
+    set_id = batch.new_set_id()
     hdr = _fam_hdr(_nfproto(family))
     batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
         _str(1, TABLE), _str(2, "__set%d"), _u32(3, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_INTERVAL),
@@ -632,9 +637,7 @@ def _named_set(batch: _Batch, family: int, kind: str, name: str, decl: SetDecl, 
     attrs += [_u32(4, key_type), _u32(5, key_len)]
     if is_map:
         attrs += [_u32(6, NFT_DATA_VERDICT), _u32(7, 0)]
-    set_id = batch.next_set_id
-    batch.next_set_id += 1
-    batch.set_ids[name] = set_id
+    set_id = batch.new_set_id(name)
     attrs += [_u32(10, set_id), _attr(13, udata)]
     batch.add(NEWSET, NLM_F_CREATE, _fam_hdr(_nfproto(family)) + b"".join(attrs), index)
 
@@ -740,9 +743,7 @@ def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
     elif kind == "set" and verb == "add" and name.startswith(AFFINITY_PREFIX) and isinstance(body, SetDecl) \
             and body.flags == "dynamic,timeout" and body.timeout and not body.comment \
             and body.type == ("ipv6_addr" if family == 6 else "ipv4_addr"):
-        set_id = batch.next_set_id
-        batch.next_set_id += 1
-        batch.set_ids[name] = set_id
+        set_id = batch.new_set_id(name)
         v6 = family == 6
         batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
             table, _str(2, name), _u32(3, NFT_SET_TIMEOUT | NFT_SET_EVAL),
@@ -754,9 +755,7 @@ def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
         if body != SetDecl("map", typeof=f"numgen random mod {SLOT} : {ipword} daddr . {proto} dport",
                            flags="interval"):
             raise Unsupported(f"add map {name} {body.text()}")
-        set_id = batch.next_set_id
-        batch.next_set_id += 1
-        batch.set_ids[name] = set_id
+        set_id = batch.new_set_id(name)
         v6 = family == 6
         batch.add(NEWSET, NLM_F_CREATE, hdr + b"".join((
             table, _str(2, name), _u32(3, NFT_SET_INTERVAL | NFT_SET_MAP), _u32(4, NFT_TYPE_INTEGER), _u32(5, 4),
@@ -785,7 +784,6 @@ def _op(batch: _Batch, family: int, op: Op, index: int) -> None:
 
 def _encode(ops, family: int, full: bool = False) -> _Batch:
     batch = _Batch()
-    batch.family = family
     batch.full = full
     for index, op in enumerate(ops):
         _op(batch, family, op, index)
