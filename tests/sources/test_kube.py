@@ -13,6 +13,7 @@ from clusterdns.cli import UsageError
 from clusterdns.config import load
 from clusterdns.sources import kube
 from clusterdns.sources.kube import KubeSource, list_once
+from clusterdns.sources.reflector import CONNECTION_TROUBLE
 from clusterdns.state import StateStore
 from tests.common import dns_ask, eventually, sample
 from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, node, pod, service
@@ -211,8 +212,9 @@ async def test_outage_keeps_the_state_and_recovers(api, kubeconfig):
     seen = []
     store.subscribe(lambda old, new, delta: seen.append(new))
     def broken() -> float:
+        # a cut seen by the watch first (disconnected, connection) or by the probe first (unreachable)
         return sum(sample("clusterdns_kube_errors_total", resource="services", reason=r)
-                   for r in ("connection", "disconnected"))
+                   for r in sorted(CONNECTION_TROUBLE))
     errors = broken()
     async with running(config(kubeconfig), store) as src:
         await asyncio.wait_for(src.synced.wait(), 5)
