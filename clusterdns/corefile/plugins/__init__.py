@@ -1,0 +1,1 @@
+"""One module per supported plugin, each exporting `setup(directive, ctx) -> Plugin`."""
