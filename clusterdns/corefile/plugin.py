@@ -159,7 +159,7 @@ def normalize_zones(tokens: list[str], block_zones: list[str]) -> list[str]:
     is made an FQDN; a CIDR becomes its reverse zone(s)."""
     if not tokens:
         return list(block_zones)
-    from .keys import reverse_zones      # CIDR -> in-addr.arpa / ip6.arpa zones
+    from .keys import reverse_zones  # CIDR -> in-addr.arpa / ip6.arpa zones
     out: list[str] = []
     for t in tokens:
         if "/" in t:
