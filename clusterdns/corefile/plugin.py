@@ -125,6 +125,9 @@ class SetupContext:
     cfg: "Config | None" = None            # the process's flags (defaults the Corefile can override)
     env: Mapping[str, str] = field(default_factory=dict)
     server: str = ""                       # dns://host:port of the first listener of the block
+    # zones this block answers from the cluster state (its kubernetes plugin's, or the cluster
+    # zones a node-local-dns block forwards to the cluster DNS, answered in-process)
+    state_zones: list[str] = field(default_factory=list)
 
 
 Setup = Callable[[Directive, SetupContext], Plugin]
