@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-COMMANDS = ("agent", "dns", "proxy", "rules", "trace")
+COMMANDS = ("agent", "dns", "proxy", "rules", "trace", "corefile")
 PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
 POD_MODES = ("disabled", "insecure", "verified")
 CONFIG_KIND = "ClusterDNSConfiguration"
@@ -125,6 +125,8 @@ class RunConfig:
     from_pod: str = ""
     trace_resolv_conf: str = ""
     json: bool = False
+    from_kube_dns: str = ""                # corefile: the kube-dns ConfigMap to translate
+    cluster_domain: str = "cluster.local"  # corefile: the domain its Corefile serves
 
 
 SECTIONS: dict[str, type] = {"source": SourceConfig, "dns": DnsConfig, "proxy": ProxyConfig,
@@ -284,9 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
         "proxy": "proxier only",
         "rules": "print the rules the proxier would apply, and exit",
         "trace": "follow one name through DNS and the rules",
+        "corefile": "print the Corefile a kube-dns ConfigMap translates to, and exit",
     }
     for name in COMMANDS:
         p = sub.add_parser(name, help=helps[name], description=helps[name])
+        if name == "corefile":   # reads one file, no cluster state: none of the shared flags
+            p.add_argument("--from-kube-dns", metavar="FILE", default=argparse.SUPPRESS,
+                           help="the kube-dns ConfigMap (YAML, the object or its data; - for stdin)")
+            p.add_argument("--cluster-domain", metavar="DOMAIN", default=argparse.SUPPRESS,
+                           help="the cluster domain (default cluster.local)")
+            continue
         _add_common(p)
         if name == "proxy":
             p.add_argument("--cleanup", action="store_true", default=argparse.SUPPRESS,
@@ -324,7 +333,7 @@ def _from_file(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         name = aliases.get(name, name)
-        if name not in _FIELDS or name in ("demo", "config_file", "name"):
+        if name not in _FIELDS or name in ("demo", "config_file", "name", "from_kube_dns", "cluster_domain"):
             raise ConfigError(f"{path}: unknown option {key!r}")
         out[name] = value
     return out
