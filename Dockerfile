@@ -19,10 +19,15 @@ RUN apt-get update \
 # nothing installed into (or refused by, PEP 668) the system's Python.
 ENV VIRTUAL_ENV=/opt/clusterdns PATH=/opt/clusterdns/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY clusterdns ./clusterdns
+# The git revision the image is built from (no .git is copied in): `clusterdns --version`
+# and the build_info series report it. --build-arg REVISION=$(git rev-parse HEAD).
+ARG REVISION=""
+ARG TREE_STATE=""
 RUN python3 -m venv "$VIRTUAL_ENV" \
- && "$VIRTUAL_ENV/bin/pip" install --no-cache-dir --disable-pip-version-check . \
+ && CLUSTERDNS_REVISION="$REVISION" CLUSTERDNS_TREE_STATE="$TREE_STATE" \
+    "$VIRTUAL_ENV/bin/pip" install --no-cache-dir --disable-pip-version-check . \
  && rm -rf /src \
  && "$VIRTUAL_ENV/bin/clusterdns" --help >/dev/null
 

@@ -277,8 +277,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a("--log-level", choices=("debug", "info", "warning", "error"), default=S)
 
 
+class _Version(argparse.Action):
+    """--version: computed only when asked (it may run git), not at every parse."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any) -> None:
+        from .version import text
+        print(text())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterdns", description="Cluster DNS and Service proxy node agent.")
+    parser.add_argument("--version", action=_Version, help="print the version and the git revision, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     helps = {
         "agent": "the node agent: DNS, proxier and watch",

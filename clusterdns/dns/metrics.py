@@ -33,7 +33,6 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .. import __version__ as VERSION
 from ..metrics import DNS as REGISTRY  # CoreDNS's series: served on --metrics-listen
 
 # CoreDNS: prometheus.ExponentialBuckets(0.00025, 2, 16) for request durations.
@@ -365,7 +364,9 @@ class DnsCollector:
         yield panics
         build = GaugeMetricFamily("coredns_build_info", "A metric with a constant '1' value labeled by version, revision, and goversion from which CoreDNS was built.",
                                   labels=["version", "revision", "goversion"])
-        build.add_metric([VERSION, "clusterdns", "python"], 1)
+        from ..version import build_info, python_version  # at the scrape: it may ask git once
+        b = build_info()   # CoreDNS's revision is the short commit id, goversion runtime.Version()
+        build.add_metric([b.version, b.short_revision, python_version()], 1)
         yield build
 
         # A stopped server's counters stay exported, but the cache belongs to the one serving now.

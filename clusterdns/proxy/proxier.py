@@ -23,6 +23,7 @@ import time
 from typing import Callable, Iterable, TextIO
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from ..config import Config
 from ..metrics import PROXY as REGISTRY  # kube-proxy's series: served on --proxy-metrics-listen
@@ -84,6 +85,34 @@ ENDPOINT_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_endpoint_changes_pe
                                  "Pending proxy rules Endpoint changes", registry=REGISTRY)
 SERVICE_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_service_changes_pending",
                                 "Pending proxy rules Service changes", registry=REGISTRY)
+
+
+class BuildInfoCollector:
+    """kubernetes_build_info, as kube-proxy's component-base exports it (its label names), filled
+    with what is true of clusterdns: major/minor/git_version from the package version, git_commit
+    and git_tree_state from clusterdns.version, go_version the Python version ("python3.11.2"),
+    compiler the Python implementation ("cpython"), platform GOOS/GOARCH-style. Read at the
+    first scrape (it may ask git once), not at import."""
+
+    def collect(self):
+        import platform
+
+        from ..version import build_info, build_platform, python_version
+        b = build_info()
+        major, _, rest = b.version.partition(".")
+        minor = rest.partition(".")[0]
+        family = GaugeMetricFamily(
+            "kubernetes_build_info",
+            "A metric with a constant '1' value labeled by major, minor, git version, git commit, git tree state, "
+            "build date, Go version, and compiler from which Kubernetes was built, and platform on which it is running.",
+            labels=["major", "minor", "git_version", "git_commit", "git_tree_state", "build_date", "go_version",
+                    "compiler", "platform"])
+        family.add_metric([major, minor, "v" + b.version, b.revision, b.tree_state, b.build_date, python_version(),
+                           platform.python_implementation().lower(), build_platform()], 1)
+        yield family
+
+
+REGISTRY.register(BuildInfoCollector())
 
 
 def node_families(cfg: Config) -> list[int]:
