@@ -187,3 +187,24 @@ def check_duplicates(blocks_keys: Iterable[Sequence]) -> None:
                     continue
                 registered[exact] = k
                 latest[unbound] = (k, h)
+
+
+def listen_address(scheme: str, host: str, port: int) -> str:
+    """A listener as CoreDNS names its group: `dns://:53`, `dns://127.0.0.1:53`, `dns://[::1]:53`."""
+    h = _addr(host)
+    return f"{scheme}://[{h}]:{port}" if ":" in h else f"{scheme}://{h}:{port}"
+
+
+def listen_groups(blocks_keys: Iterable[Sequence]) -> dict[str, list[tuple[int, Key]]]:
+    """Which (block index, key) pairs each listener serves, listeners in first-seen order
+    (CoreDNS's groupConfigsByListenAddr): one listener per scheme, bind address and port,
+    shared by all blocks on it; a block without `bind` listens on the wildcard (`dns://:53`).
+    Items are (keys, bind_addresses[, filtered]) as for check_duplicates; interface names are
+    expected resolved to addresses by the caller."""
+    groups: dict[str, list[tuple[int, Key]]] = {}
+    for i, item in enumerate(blocks_keys):
+        keys, addresses = item[0], item[1]
+        for k in keys:
+            for h in addresses or [""]:
+                groups.setdefault(listen_address(k.scheme, h, k.port), []).append((i, k))
+    return groups

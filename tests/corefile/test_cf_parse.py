@@ -10,12 +10,13 @@ import time
 
 import pytest
 
-from clusterdns.corefile.keys import Key, bind_addresses, check_duplicates, parse_key, parse_keys, reverse_zones
+from clusterdns.corefile.keys import (Key, bind_addresses, check_duplicates, listen_address, listen_groups, parse_key,
+                                     parse_keys, reverse_zones)
 from clusterdns.corefile.parse import MAX_IMPORTS, load, parse_text, replace_env, tokenize, walk
 from clusterdns.corefile.syntax import CorefileError, Directive, ServerBlock, Token
 
-REAL = "/work/shared/reference/corefiles/real"
-needs_real = pytest.mark.skipif(not os.path.isdir(REAL), reason=f"{REAL} is not present")
+# copies of /work/shared/reference/corefiles/real (each file's header says where it is from)
+REAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real")
 
 
 def P(text: str, **kw) -> list[ServerBlock]:
@@ -58,6 +59,15 @@ def err(text: str, **kw) -> str:
     ("\ufeffa b", ["a", "b"]),                             # a byte order mark is dropped
     ("a\r\nb", ["a", "b"]),
     ("example.com{", ["example.com{"]),                    # the brace stays part of the token
+    # caddy lexer_test
+    ("host:123 { directive }", ["host:123", "{", "directive", "}"]),
+    ('A "quoted \\"value\\" inside" B', ["A", 'quoted "value" inside', "B"]),
+    ("\"don't\\escape\"", ["don't\\escape"]),
+    ("\"don't\\\\escape\"", ["don't\\\\escape"]),
+    (r'"C:\php\php-cgi.exe"', [r"C:\php\php-cgi.exe"]),
+    ('empty "" string', ["empty", "", "string"]),
+    ("skip those\r\nCR characters", ["skip", "those", "CR", "characters"]),
+    ("\ufeff:8080", [":8080"]),
 ])
 def test_tokens(text, expected):
     assert [t.text for t in tokenize(text)] == expected
@@ -634,6 +644,26 @@ def test_overlapping_reverse_expansions_collide():
     assert str(e.value) == "CF:3: cannot serve dns://1.10.in-addr.arpa.:53 - it is already defined"
 
 
+def test_listen_groups():
+    # TestGroupingServers: one listener per scheme + bind address + port
+    def groups(*blocks) -> list[str]:
+        return list(listen_groups([(za(z, p), binds) for z, p, binds in blocks]))
+    assert groups((".", 53, [])) == ["dns://:53"]
+    assert groups((".", 53, []), (".", 54, [])) == ["dns://:53", "dns://:54"]
+    assert groups((".", 53, []), ("com.", 53, [])) == ["dns://:53"]
+    assert groups((".", 53, ["127.0.0.1"]), (".", 54, [])) == ["dns://127.0.0.1:53", "dns://:54"]
+    assert groups((".", 53, ["127.0.0.1", "::1"]), (".", 54, [])) == [
+        "dns://127.0.0.1:53", "dns://[::1]:53", "dns://:54"]
+    assert groups((".", 53, ["127.0.0.1", "::1"]), ("com.", 53, ["127.0.0.1", "::1"])) == [
+        "dns://127.0.0.1:53", "dns://[::1]:53"]
+    assert groups((".", 53, ["127.0.0.1"]), ("com.", 53, ["::1"])) == ["dns://127.0.0.1:53", "dns://[::1]:53"]
+    assert groups((".", 53, ["127.0.0.1", "::1"]), ("com.", 53, [])) == [
+        "dns://127.0.0.1:53", "dns://[::1]:53", "dns://:53"]
+    g = listen_groups([(za(".") + za("com."), []), (za("org."), [])])
+    assert [(i, k.zone) for i, k in g["dns://:53"]] == [(0, "."), (0, "com."), (1, "org.")]
+    assert listen_address("tls", "0:0::1", 853) == "tls://[::1]:853"
+
+
 def test_bind_addresses():
     [b] = P(".:53 {\n  bind 127.0.0.1 ::1\n  log\n  bind eth0 {\n    except 10.0.0.1\n  }\n}")
     assert bind_addresses(b) == ["127.0.0.1", "::1", "eth0"]
@@ -656,7 +686,6 @@ def checked(blocks: list[ServerBlock]) -> list[list[str]]:
     return [[k.address for k in parse_keys(b)] for b in blocks]
 
 
-@needs_real
 def test_every_real_corefile_parses():
     files = sorted(f for f in os.listdir(REAL) if f.endswith(".corefile"))
     assert len(files) == 14
@@ -672,7 +701,6 @@ KUBEADM_ORDER = ["errors", "health", "ready", "kubernetes", "prometheus", "forwa
                  "loadbalance"]
 
 
-@needs_real
 @pytest.mark.parametrize("name", ["kubeadm.corefile", "kind.corefile"])
 def test_kubeadm_and_kind(name):
     [b] = real(name)
@@ -694,7 +722,6 @@ def test_kubeadm_and_kind(name):
     assert k8s.where == f"{REAL}/{name}:{b.line + 6}"
 
 
-@needs_real
 def test_k3s_empty_import_globs(caplog):
     with caplog.at_level(logging.WARNING, logger="clusterdns.corefile.parse"):
         [b] = real("k3s.corefile")
@@ -709,7 +736,6 @@ def test_k3s_empty_import_globs(caplog):
     assert len(globs) == 2 and "/etc/coredns/custom/*.override" in globs[0] and "*.server" in globs[1]
 
 
-@needs_real
 def test_k3s_custom_files_splice_in(tmp_path):
     # the same Corefile with its coredns-custom ConfigMap mounted: .override inside .:53, .server as blocks
     text = open(os.path.join(REAL, "k3s.corefile")).read().replace("/etc/coredns/custom/", "custom/")
@@ -723,7 +749,6 @@ def test_k3s_custom_files_splice_in(tmp_path):
     assert find(blocks[1], "forward")[0].values == [".", "10.150.0.1"]
 
 
-@needs_real
 def test_aks(tmp_path):
     [b] = real("aks.corefile")
     assert checked([b]) == [["dns://.:53"]]
@@ -738,7 +763,6 @@ def test_aks(tmp_path):
     assert [line_of(d) for d in find(b, "kubernetes")[0].body][-1] == ["ttl", "30"]
 
 
-@needs_real
 def test_aks_with_coredns_custom(tmp_path):
     # AKS mounts coredns-custom at custom/ next to the Corefile; the documented examples as its keys
     text = open(os.path.join(REAL, "aks.corefile")).read()
@@ -754,7 +778,6 @@ def test_aks_with_coredns_custom(tmp_path):
     assert find(blocks[1], "forward")[0].values == [".", "192.11.0.1"]
 
 
-@needs_real
 def test_aks_coredns_custom_examples():
     blocks = real("aks-coredns-custom.corefile")
     assert checked(blocks) == [["dns://example.com.:53"], ["dns://puglife.local.:53"], ["dns://abc.com.:53"],
@@ -769,7 +792,6 @@ def test_aks_coredns_custom_examples():
     assert find(blocks[1], "forward")[0].values == [".", "192.11.0.1"]
 
 
-@needs_real
 def test_aks_localdns_same_zone_twice_on_distinct_binds():
     blocks = real("aks-localdns.corefile")
     assert checked(blocks) == [["dns://health-check.localdns.local.:53"], ["dns://.:53"], ["dns://cluster.local.:53"],
@@ -791,7 +813,6 @@ def test_aks_localdns_same_zone_twice_on_distinct_binds():
     assert str(e.value).startswith(f"{REAL}/aks-localdns.corefile:{blocks[4].line}:")
 
 
-@needs_real
 def test_eks():
     [b] = real("eks.corefile")
     assert checked([b]) == [["dns://.:53"]]
@@ -802,7 +823,6 @@ def test_eks():
                                                                    ["fallthrough", "in-addr.arpa", "ip6.arpa"]]
 
 
-@needs_real
 def test_rke2():
     [b] = real("rke2.corefile")
     assert checked([b]) == [["dns://.:53"]]
@@ -816,7 +836,6 @@ def test_rke2():
 NODELOCAL_ZONES = [["dns://cluster.local.:53"], ["dns://in-addr.arpa.:53"], ["dns://ip6.arpa.:53"], ["dns://.:53"]]
 
 
-@needs_real
 def test_rke2_nodelocal():
     blocks = real("rke2-nodelocal.corefile")
     assert checked(blocks) == NODELOCAL_ZONES
@@ -830,7 +849,6 @@ def test_rke2_nodelocal():
     assert find(blocks[3], "forward")[0].body is None
 
 
-@needs_real
 def test_nodelocaldns_placeholders():
     blocks = real("nodelocaldns.corefile")
     assert checked(blocks) == [["dns://__pillar__dns__domain__.:53"]] + NODELOCAL_ZONES[1:]
@@ -840,7 +858,6 @@ def test_nodelocaldns_placeholders():
     assert find(blocks[0], "health")[0].values == ["__PILLAR__LOCAL__DNS__:8080"]
 
 
-@needs_real
 def test_kubespray():
     [b] = real("kubespray-coredns.corefile")
     assert checked([b]) == [["dns://.:53"]]
@@ -855,7 +872,6 @@ def test_kubespray():
     assert find(blocks[3], "forward")[0].values == [".", "/etc/resolv.conf"]
 
 
-@needs_real
 def test_k8s_docs():
     blocks = real("k8s-docs-customizing-dns.corefile")
     assert checked(blocks) == [["dns://.:53"], ["dns://consul.local.:53"]]
