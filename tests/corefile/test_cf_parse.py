@@ -10,8 +10,16 @@ import time
 
 import pytest
 
-from clusterdns.corefile.keys import (Key, bind_addresses, check_duplicates, listen_address, listen_groups, parse_key,
-                                     parse_keys, reverse_zones)
+from clusterdns.corefile.keys import (
+    Key,
+    bind_addresses,
+    check_duplicates,
+    listen_address,
+    listen_groups,
+    parse_key,
+    parse_keys,
+    reverse_zones,
+)
 from clusterdns.corefile.parse import MAX_IMPORTS, load, parse_text, replace_env, tokenize, walk
 from clusterdns.corefile.syntax import CorefileError, Directive, ServerBlock, Token
 
