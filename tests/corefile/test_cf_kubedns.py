@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from clusterdns.config import ConfigError, load
+from clusterdns.corefile.keys import bind_addresses, check_duplicates, parse_keys
 from clusterdns.corefile.kubedns import KubeDNSError, corefile_from_kube_dns, data_from_yaml, read, server_kind
+from clusterdns.corefile.parse import parse_text, walk
 
 # Verbatim copies of /work/shared/reference/corefiles/real/ (each names its source in its header).
 REAL = Path(__file__).resolve().parent / "real"
@@ -29,30 +31,11 @@ def _real(name: str) -> str:
 
 
 def blocks(text: str) -> dict[str, list[list[str]]]:
-    """Top-level server blocks of a Corefile: key line -> its lines as token lists (nested lines
-    included, braces dropped). Enough to compare shapes; the real parser is parse.py's."""
-    out: dict[str, list[list[str]]] = {}
-    depth, key = 0, ""
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        tokens = line.split()
-        if depth == 0:
-            assert tokens[-1] == "{", raw
-            key = " ".join(tokens[:-1])
-            out[key] = []
-            depth = 1
-            continue
-        if tokens == ["}"]:
-            depth -= 1
-            continue
-        if tokens[-1] == "{":
-            depth += 1
-            tokens = tokens[:-1]
-        out[key].append(tokens)
-    assert depth == 0
-    return out
+    """The Corefile read by clusterdns's own parser: server block key -> its lines (nested
+    lines included, depth first) as [name, *args]. Its keys must pass CoreDNS's startup checks."""
+    parsed = parse_text(text, env={})
+    check_duplicates([(parse_keys(b), bind_addresses(b)) for b in parsed])
+    return {" ".join(t.text for t in b.keys): [[d.name, *d.values] for d in walk(b.directives)] for b in parsed}
 
 
 def cm(**data: object) -> dict[str, str]:

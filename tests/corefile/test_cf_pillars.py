@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from clusterdns.corefile import pillars
+from clusterdns.corefile.keys import bind_addresses, check_duplicates, parse_keys
 from clusterdns.corefile.kubedns import KubeDNSError
+from clusterdns.corefile.parse import parse_text
 from clusterdns.corefile.pillars import IN_PROCESS, PillarError, fill, has_pillars, node_cache_corefile, stub_blocks
 
 REAL = Path(__file__).resolve().parent / "real"
@@ -19,6 +21,14 @@ REAL = Path(__file__).resolve().parent / "real"
 def body(text: str) -> str:
     """The Corefile without its leading comment lines (the reference files' provenance headers)."""
     return "".join(ln for ln in text.splitlines(keepends=True) if not ln.startswith("#"))
+
+
+def parses(text: str) -> list[tuple[str, list[str]]]:
+    """(key, bind addresses) of each block, read by clusterdns's parser and passing CoreDNS's
+    startup checks on keys (no zone served twice on one address)."""
+    blocks = parse_text(text, env={})
+    check_duplicates([(parse_keys(b), bind_addresses(b)) for b in blocks])
+    return [(" ".join(t.text for t in b.keys), bind_addresses(b)) for b in blocks]
 
 
 def nodelocal() -> str:
@@ -84,6 +94,8 @@ def test_upstream_nodelocal_iptables_mode():
                upstream="/etc/resolv.conf", cluster_dns="10.96.0.11")
     assert not has_pillars(out) and "__PILLAR__" not in body(out)
     assert body(out) == UPSTREAM_IPTABLES
+    assert parses(out) == [(k, ["169.254.20.10", "10.96.0.10"])
+                           for k in ("cluster.local:53", "in-addr.arpa:53", "ip6.arpa:53", ".:53")]
 
 
 def test_upstream_nodelocal_ipvs_mode_in_process():
@@ -98,6 +110,7 @@ def test_upstream_nodelocal_ipvs_mode_in_process():
     assert lines.count(f"    forward . {IN_PROCESS} {{") == 3
     assert "    forward . /etc/resolv.conf" in lines
     assert "    health 169.254.20.10:8080" in lines
+    assert [k for k, _ in parses(out)] == ["k8s.example:53", "in-addr.arpa:53", "ip6.arpa:53", ".:53"]
 
 
 def test_in_process_marker_is_one_corefile_token():
@@ -190,6 +203,7 @@ def test_rke2_nodelocal():
     assert lines.count(f"    forward . {IN_PROCESS} {{") == 3
     assert "    forward . /etc/resolv.conf " in lines   # the template's trailing space, kept
     assert "    health 169.254.20.10:8080" in lines
+    assert all(bind == ["169.254.20.10", "10.43.0.10"] for _, bind in parses(out))
 
 
 def test_kubespray_nodelocal_has_nothing_to_fill():
@@ -309,3 +323,5 @@ def test_node_cache_corefile_from_both_configmaps():
                         "consul.local:53 {\n    errors\n    cache 30\n    bind 169.254.20.10\n"
                         "    forward . 10.150.0.1\n}\n")
     assert "    bind 169.254.20.10 10.96.0.10\n" in out and out.count("force_tcp") == 1
+    assert parses(out) == [("cluster.local:53", ["169.254.20.10"]), (".:53", ["169.254.20.10", "10.96.0.10"]),
+                           ("consul.local:53", ["169.254.20.10"])]
