@@ -31,6 +31,7 @@ from .syntax import CorefileError, Directive, ServerBlock, Token
 log = logging.getLogger(__name__)
 
 MAX_IMPORTS = 10000     # snippet and file imports expanded in one parse (caddy: a hard cap)
+MAX_DEPTH = 100         # nested blocks (real Corefiles nest 2 deep; the parser recurses per level)
 
 # One lexical item per match; whatever matches none of them (whitespace) is skipped.
 _LEX = re.compile(r"""
@@ -188,11 +189,15 @@ class _Reader:
             return
         base = self.dirs.get(at.file, ".")
         path = pattern if os.path.isabs(pattern) else os.path.join(base, pattern)
-        if path.count("*") > 1 or path.count("?") > 1 or ("[" in path and "]" in path):
+        # caddy checks the joined path; only the pattern is checked here, so a directory
+        # named with brackets or stars (a test's tmp dir, say) is read as it is spelled
+        if pattern.count("*") > 1 or pattern.count("?") > 1 or ("[" in pattern and "]" in pattern):
             # caddy refuses these: a pattern with many expansions can take very long (caddy#2096)
             raise CorefileError(at.where, f"import glob pattern may only contain one wildcard (*): {pattern}")
-        if any(c in path for c in "*?["):
-            matches = sorted(glob.glob(path, include_hidden=True))
+        if any(c in pattern for c in "*?["):
+            where = pattern if os.path.isabs(pattern) else os.path.join(glob.escape(base), pattern)
+            # Go's filepath.Glob matches names starting with a dot too
+            matches = sorted(glob.glob(where, include_hidden=True))
             if not matches:
                 log.warning("%s: no files matching import glob pattern: %s", at.where, pattern)
                 return
@@ -240,6 +245,7 @@ class _Parser:
     def __init__(self, reader: _Reader, env: Mapping[str, str]) -> None:
         self.r = reader
         self.env = env
+        self.depth = 0
 
     def _check_braces(self, line: list[_Tok], opens: bool) -> None:
         """No brace but a last `{` (when `opens`) may stand among a line's tokens."""
@@ -263,6 +269,9 @@ class _Parser:
 
     def body(self, opener: _Tok, what: str) -> list[Directive]:
         """Directive lines up to the `}` that closes `opener`."""
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise CorefileError(opener.where, f"blocks nested deeper than {MAX_DEPTH}")
         out: list[Directive] = []
         while True:
             line = self.r.line()
@@ -274,6 +283,7 @@ class _Parser:
                     if not line[1].is_brace("}"):
                         raise CorefileError(line[1].where, f"unexpected {line[1].text!r} after '}}'")
                     self.r.unread(line[1:])
+                self.depth -= 1
                 return out
             out.append(self.directive(line))
 
@@ -383,7 +393,7 @@ def parse_text(text: str, filename: str = "Corefile", env: Mapping[str, str] | N
     """The server blocks of a Corefile's text. Relative imports are read from `base_dir`
     (those inside an imported file from that file's directory, as caddy does)."""
     environ: Mapping[str, str] = os.environ if env is None else env
-    own = filename if os.sep in filename else os.path.join(base_dir, filename)
+    own = filename if os.path.isabs(filename) else os.path.join(base_dir, os.path.basename(filename))
     reader = _Reader(tokenize(text, filename), _identity(own), {filename: base_dir}, environ)
     return _Parser(reader, environ).blocks()
 

@@ -1,7 +1,7 @@
 """The Corefile reader (clusterdns/corefile/parse.py, keys.py), pinned to coredns/caddy
 caddyfile/parse_test.go and lexer behaviour, and to coredns/coredns core/dnsserver
-(TestInspectServerBlocks, TestReverseExpansion, TestOverlapAddressChecker), plus every real
-Corefile under /work/shared/reference/corefiles/real."""
+(TestInspectServerBlocks, TestReverseExpansion, TestOverlapAddressChecker, TestGroupingServers),
+plus every real Corefile (copies of /work/shared/reference/corefiles/real under tests/corefile/real)."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +20,7 @@ from clusterdns.corefile.keys import (
     parse_keys,
     reverse_zones,
 )
-from clusterdns.corefile.parse import MAX_IMPORTS, load, parse_text, replace_env, tokenize, walk
+from clusterdns.corefile.parse import MAX_DEPTH, MAX_IMPORTS, load, parse_text, replace_env, tokenize, walk
 from clusterdns.corefile.syntax import CorefileError, Directive, ServerBlock, Token
 
 # copies of /work/shared/reference/corefiles/real (each file's header says where it is from)
@@ -261,6 +261,39 @@ def test_errors_name_file_and_line(tmp_path, text, where, words):
     msg = err(text, filename="CF", base_dir=str(tmp_path))
     assert msg.startswith(where + ": "), msg
     assert words in msg, msg
+
+
+def test_deep_nesting():
+    depth = MAX_DEPTH - 1
+    text = ".:53 {\n" + "".join(f"{' ' * i}d{i} {{\n" for i in range(depth)) + "}\n" * (depth + 1)
+    [b] = P(text)
+    d, n = b.directives[0], 1
+    while d.body:
+        d, n = d.body[0], n + 1
+    assert (d.name, n) == (f"d{depth - 1}", depth)
+    too_deep = ".:53 {\n" + "x {\n" * MAX_DEPTH + "}\n" * (MAX_DEPTH + 1)
+    assert err(too_deep, filename="CF").startswith(f"CF:{MAX_DEPTH + 1}: blocks nested deeper than")
+    # far deeper than Python's recursion limit: still a CorefileError, not a crash
+    assert "nested deeper" in err(".:53 {\n" + "x {\n" * 5000)
+
+
+def test_tokens_after_a_snippet_close_start_the_next_block():
+    assert keys(P("(s) {\n  log\n} b.org {\n  import s\n}")) == [["b.org"]]
+
+
+def test_keys_from_an_imported_file_then_the_block(tmp_path):
+    # tokens are spliced as caddy does: an imported line of keys, then the importing file's '{'
+    write(tmp_path / "keys", "a.org b.org")
+    [b] = P("import keys\n{\n  log\n}", base_dir=str(tmp_path))
+    assert keys([b]) == [["a.org", "b.org"]] and names(b.directives) == ["log"]
+
+
+def test_glob_under_a_directory_with_brackets(tmp_path):
+    d = tmp_path / "conf[1]" / "custom"
+    write(d / "a.server", "a.org {\n}")
+    assert keys(P("import custom/*.server", base_dir=str(d.parent))) == [["a.org"]]
+    # brackets in the pattern itself are refused, as caddy does
+    assert "one wildcard" in err(f"import {d}/a.server")
 
 
 def test_directive_error_helper_uses_the_name_position():
