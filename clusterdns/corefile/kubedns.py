@@ -83,14 +83,14 @@ def server_kind(value: str) -> str:
     elif value.count(":") == 1:
         host, port = value.split(":")
     if port or value.endswith(":"):
-        if not port.isdigit() or not 1 <= int(port) <= 65535:
+        if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
             return "bad"
         return "ip" if _is_ip(host) else "bad"
     if _is_ip(host):
         return "ip"
     # Digits and dots that are no IPv4 address are a mistyped address, not a name:
     # no top-level domain is all-numeric.
-    if all(c.isdigit() or c == "." for c in host):
+    if all(c in "0123456789." for c in host):
         return "bad"
     return "name" if is_dns_name(host) else "bad"
 

@@ -241,7 +241,8 @@ def test_empty_or_null_values_are_unset():
 def test_server_kinds():
     assert [server_kind(s) for s in ("1.2.3.4", "1.2.3.4:53", "2001:db8::1", "[2001:db8::1]:5353")] == ["ip"] * 4
     assert [server_kind(s) for s in ("service.consul", "ns1")] == ["name"] * 2
-    assert [server_kind(s) for s in ("1.2.3", "01.2.3.4", "a_b.com", "", ":53", "1.2.3.4:")] == ["bad"] * 6
+    bad = ("1.2.3", "01.2.3.4", "a_b.com", "", ":53", "1.2.3.4:", "1.2.3.4:\u0665\u0663", "\u0661.2.3.4")
+    assert [server_kind(s) for s in bad] == ["bad"] * len(bad)
 
 
 def test_yaml_forms():
