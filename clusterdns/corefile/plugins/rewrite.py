@@ -1,0 +1,572 @@
+"""CoreDNS's rewrite plugin: rewrite the question before the rest of the chain, map the reply back.
+
+    rewrite [continue|stop] name [exact|prefix|suffix|substring|regex] FROM TO [answer auto|name F T|value F T]...
+    rewrite [continue|stop] type FROM TO | class FROM TO
+    rewrite [continue|stop] ttl [exact|prefix|suffix|substring|regex] NAME TTL|MIN-MAX|MIN-|-MAX
+    rewrite [continue|stop] rcode [exact|prefix|suffix|substring|regex] NAME FROM TO
+    rewrite [continue|stop] { LINES }      (the lines are read as one rule, as CoreDNS joins them)
+
+Semantics are coredns/coredns plugin/rewrite's: names are matched lower-cased and fully
+qualified (FROM and TO of exact/prefix/suffix/substring get a trailing dot, so they replace text,
+not labels: `suffix a.com b.com` also turns `xa.com.` into `xb.com.`); a regex TO takes `{N}`
+groups; the first matching `stop` rule ends the list, `continue` rules go on. `exact` rules
+always map the answer back; `answer auto` does it for the other kinds. The reply's question is
+the client's again, whatever was rewritten. `edns0` and `cname` rules are refused at setup.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import dnslib
+
+from ..plugin import SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, fqdn
+from ..syntax import CorefileError, Directive, Token
+from ._coredns import CLASS_BY_NAME, RCODE_BY_NAME, class_name, type_by_name, type_name
+
+STOP, CONTINUE = "stop", "continue"
+KINDS = ("exact", "prefix", "suffix", "substring", "regex")
+_STOPPED = "rewrite.stopped"   # req.data: a stop rule of an earlier rewrite line matched
+OPT = 41
+
+
+class _RuleError(Exception):
+    """A rule's arguments are wrong; `token` says where (None: the directive's line)."""
+
+    def __init__(self, message: str, token: Token | None = None) -> None:
+        super().__init__(message)
+        self.token = token
+
+
+# --- string rewriters (the answer side) -------------------------------------------------------
+
+Rewriter = Callable[[str], str]
+
+
+def _regex_rewriter(pattern: re.Pattern[str], replacement: str) -> Rewriter:
+    def rewrite(src: str) -> str:
+        m = pattern.search(src)
+        return src if m is None else _expand(replacement, m)
+    return rewrite
+
+
+def _remap_rewriter(orig: str, replacement: str) -> Rewriter:
+    """The name and its subdomains: `orig` -> `replacement` (answer auto)."""
+    def rewrite(src: str) -> str:
+        if src == orig:
+            return replacement
+        if src.endswith("." + orig):
+            return src[:len(src) - len(orig)] + replacement
+        return src
+    return rewrite
+
+
+def _suffix_rewriter(suffix: str, replacement: str) -> Rewriter:
+    def rewrite(src: str) -> str:
+        return src[:len(src) - len(suffix)] + replacement if src.endswith(suffix) else src
+    return rewrite
+
+
+def _expand(template: str, m: re.Match[str]) -> str:
+    s = template
+    for i in range(len(m.groups()) + 1):
+        s = s.replace("{%d}" % i, m.group(i) or "")  # an unmatched group is "" (Go)
+    return s
+
+
+# --- response rules ---------------------------------------------------------------------------
+
+class RespRule:
+    def on_rr(self, rr: dnslib.RR) -> None:
+        """Rewrite one record of the reply."""
+
+    def on_reply(self, reply: dnslib.DNSRecord) -> None:
+        """Rewrite the reply as a whole."""
+
+
+@dataclass
+class NameResp(RespRule):
+    rewrite: Rewriter
+    text: str = ""
+
+    def on_rr(self, rr: dnslib.RR) -> None:
+        old = fqdn(str(rr.rname))
+        new = self.rewrite(old)
+        if new != old:
+            rr.rname = dnslib.DNSLabel(new)
+
+
+@dataclass
+class ValueResp(RespRule):
+    """The names in record data CoreDNS rewrites: CNAME, DNAME, NS, MX, SRV, NAPTR, SOA (mname)."""
+    rewrite: Rewriter
+    text: str = ""
+
+    def on_rr(self, rr: dnslib.RR) -> None:
+        rd = rr.rdata
+        attr = {5: "label", 2: "label", 15: "label", 33: "target", 35: "replacement", 6: "mname"}.get(rr.rtype)
+        if attr is not None and hasattr(rd, attr):
+            old = fqdn(str(getattr(rd, attr)))
+            new = self.rewrite(old)
+            if new != old:
+                setattr(rd, attr, dnslib.DNSLabel(new))
+        elif rr.rtype == 39 and isinstance(rd, dnslib.RD):     # DNAME: dnslib keeps its raw data
+            target = _wire_name(rd.data)
+            if target is not None:
+                new = self.rewrite(target)
+                if new != target and _valid_name(new):
+                    rr.rdata = dnslib.RD(_name_wire(new))
+
+
+@dataclass
+class TTLResp(RespRule):
+    low: int
+    high: int
+
+    def on_rr(self, rr: dnslib.RR) -> None:
+        if rr.ttl < self.low:
+            rr.ttl = self.low
+        elif rr.ttl > self.high:
+            rr.ttl = self.high
+
+
+@dataclass
+class RcodeResp(RespRule):
+    old: int
+    new: int
+
+    def on_reply(self, reply: dnslib.DNSRecord) -> None:
+        if reply.header.rcode == self.old:
+            reply.header.rcode = self.new
+
+
+# --- rules ------------------------------------------------------------------------------------
+
+@dataclass
+class _State:
+    name: str       # the question name now, lower-case FQDN
+    qtype: int
+    qclass: int
+
+
+@dataclass
+class Matcher:
+    kind: str
+    text: str
+    pattern: re.Pattern[str] | None = None
+
+    def __call__(self, name: str) -> bool:
+        if self.kind == "exact":
+            return name == self.text
+        if self.kind == "prefix":
+            return name.startswith(self.text)
+        if self.kind == "suffix":
+            return name.endswith(self.text)
+        if self.kind == "substring":
+            return self.text in name
+        assert self.pattern is not None
+        return self.pattern.search(name) is not None
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.text}"
+
+
+@dataclass
+class Rule:
+    mode: str
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        """None when the rule does not match; else what the reply needs."""
+        return None
+
+    def could_match(self, qname: str, qtype: int) -> bool:
+        return True
+
+
+@dataclass
+class NameRule(Rule):
+    match: Matcher
+    to: str
+    auto: bool = False
+    static: list[RespRule] = field(default_factory=list)
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        name, m, kind = st.name, self.match, self.match.kind
+        if kind == "regex":
+            assert m.pattern is not None
+            found = m.pattern.search(name)
+            if found is None:
+                return None
+            new = _expand(self.to, found)
+        elif not m(name):
+            return None
+        elif kind == "exact":
+            new = self.to
+        elif kind == "prefix":
+            new = self.to + name[len(m.text):]
+        elif kind == "suffix":
+            new = name[:len(name) - len(m.text)] + self.to
+        else:
+            new = name.replace(m.text, self.to)
+        st.name = new
+        if not self.auto:
+            return list(self.static)
+        back = _remap_rewriter(new, name)
+        return [NameResp(back), ValueResp(back), *self.static]
+
+    def could_match(self, qname: str, qtype: int) -> bool:
+        return self.match(qname)
+
+    def __str__(self) -> str:
+        answers = " ".join(getattr(r, "text", "") for r in self.static)
+        auto = " answer auto" if self.auto and self.match.kind != "exact" else ""
+        return f"{self.mode} name {self.match} {self.to}{auto}{' ' + answers if answers else ''}"
+
+
+@dataclass
+class TypeRule(Rule):
+    frm: int
+    to: int
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        if st.qtype != self.frm:
+            return None
+        st.qtype = self.to
+        return []
+
+    def could_match(self, qname: str, qtype: int) -> bool:
+        return qtype == self.frm
+
+    def __str__(self) -> str:
+        return f"{self.mode} type {type_name(self.frm)} {type_name(self.to)}"
+
+
+@dataclass
+class ClassRule(Rule):
+    frm: int
+    to: int
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        if st.qclass != self.frm:
+            return None
+        st.qclass = self.to
+        return []
+
+    def __str__(self) -> str:
+        return f"{self.mode} class {class_name(self.frm)} {class_name(self.to)}"
+
+
+@dataclass
+class ReplyRule(Rule):
+    """ttl and rcode: match the (current) question name, change the reply."""
+    field_: str
+    match: Matcher
+    resp: RespRule
+    text: str
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        return [self.resp] if self.match(st.name) else None
+
+    def could_match(self, qname: str, qtype: int) -> bool:
+        return self.match(qname)
+
+    def __str__(self) -> str:
+        return f"{self.mode} {self.field_} {self.match} {self.text}"
+
+
+# --- parsing (newRule and friends) ------------------------------------------------------------
+
+def _compile(pattern: str, template: str, token: Token | None) -> re.Pattern[str]:
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise _RuleError(f"invalid regex matching pattern: {pattern} ({exc})", token) from None
+    used = sum(1 for i in range(101) if "{%d}" % i in template)
+    if used > rx.groups:
+        raise _RuleError(f"the rewrite regex pattern ({template}) uses more subexpressions than its "
+                         f"corresponding matching regex pattern ({pattern})", token)
+    return rx
+
+
+def _matcher(kind: str, text: str, token: Token | None, what: str) -> Matcher:
+    if kind == "regex":
+        try:
+            return Matcher(kind, text, re.compile(text))
+        except re.error as exc:
+            raise _RuleError(f"invalid regex pattern in a {what} rule: {text} ({exc})", token) from None
+    return Matcher(kind, fqdn(text))
+
+
+def new_rule(toks: list[Token]) -> Rule:
+    args = [t.text for t in toks]
+    if not args:
+        raise _RuleError("no rule type specified for rewrite")
+    mode, start = STOP, 1
+    if args[0].lower() in (STOP, CONTINUE):
+        mode, start = args[0].lower(), 2
+        if len(args) < 2:
+            raise _RuleError(f"{mode} rule must begin with a rule type", toks[0])
+    kind_tok = toks[start - 1]
+    rtype = kind_tok.text.lower()
+    rest, rest_toks = args[start:], toks[start:]
+    if rtype == "answer":
+        raise _RuleError("response rewrites must begin with a name rule", kind_tok)
+    if rtype == "name":
+        return _name_rule(mode, rest, rest_toks, kind_tok)
+    if rtype in ("type", "class"):
+        if len(rest) != 2:
+            raise _RuleError(f"{rtype} rules must have exactly two arguments", kind_tok)
+        if rtype == "type":
+            frm, to = type_by_name(rest[0]), type_by_name(rest[1])
+            for text, v, t in ((rest[0], frm, rest_toks[0]), (rest[1], to, rest_toks[1])):
+                if v is None:
+                    raise _RuleError(f"invalid type {text.upper()!r}", t)
+            return TypeRule(mode, frm, to)  # type: ignore[arg-type]
+        cf, ct = CLASS_BY_NAME.get(rest[0].upper()), CLASS_BY_NAME.get(rest[1].upper())
+        for text, v, t in ((rest[0], cf, rest_toks[0]), (rest[1], ct, rest_toks[1])):
+            if v is None:
+                raise _RuleError(f"invalid class {text.upper()!r}", t)
+        return ClassRule(mode, cf, ct)  # type: ignore[arg-type]
+    if rtype == "ttl":
+        return _ttl_rule(mode, rest, rest_toks, kind_tok)
+    if rtype == "rcode":
+        return _rcode_rule(mode, rest, rest_toks, kind_tok)
+    if rtype in ("edns0", "cname"):
+        raise _RuleError(f"{rtype} rules are not supported by clusterdns", kind_tok)
+    raise _RuleError(f"invalid rule type {args[0]!r}", toks[0])
+
+
+def _name_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rule:
+    if len(args) < 2:
+        raise _RuleError("too few arguments for a name rule", at)
+    if len(args) == 2:
+        kind, frm, to, frm_tok = "exact", args[0], args[1], toks[0]
+    else:
+        kind, frm, to, frm_tok = args[0].lower(), args[1], args[2], toks[1]
+    if kind not in KINDS:
+        raise _RuleError("name rule supports only exact, prefix, suffix, substring, and regex name "
+                         f"matching, received: {args[0]}", toks[0])
+    auto, answers = False, list[RespRule]()
+    if len(args) > 3:
+        auto, answers = _answer_rules(kind, args[3:], toks[3:])
+    if kind == "regex":
+        rx = _compile(frm, to, frm_tok)
+        return NameRule(mode, Matcher(kind, frm, rx), fqdn(to), auto, answers)
+    m, to_n = Matcher(kind, fqdn(frm)), fqdn(to)
+    if kind == "exact":
+        return NameRule(mode, m, to_n, True, answers)
+    if kind == "suffix" and auto:
+        # a suffix maps back by swapping FROM and TO (CoreDNS's suffix 'answer auto')
+        back = _suffix_rewriter(to_n, m.text)
+        return NameRule(mode, m, to_n, False, [NameResp(back, "answer auto"), ValueResp(back), *answers])
+    return NameRule(mode, m, to_n, auto, answers)
+
+
+def _answer_rules(kind: str, args: list[str], toks: list[Token]) -> tuple[bool, list[RespRule]]:
+    if len(args) < 2:
+        raise _RuleError(f"invalid arguments for {kind} rule", toks[0])
+    auto, names, i, last = False, 0, 0, ""
+    rules: list[RespRule] = []
+    while i < len(args):
+        if last == "" and args[i] != "answer":
+            raise _RuleError(f"exceeded the number of arguments for a non-answer rule argument for {kind} rule",
+                             toks[i])
+        if args[i] == "answer":
+            i += 1
+        if i >= len(args):
+            raise _RuleError(f"type missing for answer rule for {kind} rule", toks[i - 1])
+        last, at = args[i], toks[i]
+        i += 1
+        if last == "auto":
+            auto = True
+            continue
+        if last not in ("name", "value"):
+            raise _RuleError(f"invalid type {last!r} for answer rule for {kind} rule", at)
+        if len(args) - i < 2:
+            raise _RuleError(f"{last} answer rule for {kind} rule: 2 arguments required", at)
+        frm, to = args[i], args[i + 1]
+        rx = _compile(frm, to, toks[i])
+        rewriter = _regex_rewriter(rx, fqdn(to))
+        text = f"answer {last} {frm} {fqdn(to)}"
+        rules.append(NameResp(rewriter, text) if last == "name" else ValueResp(rewriter, text))
+        names += last == "name"
+        i += 2
+    if auto and names:
+        raise _RuleError("auto name answer rule cannot be combined with explicit name answer rules", toks[0])
+    return auto, rules
+
+
+def _ttl_value(text: str) -> tuple[int, int] | None:
+    def num(s: str) -> int | None:
+        return int(s) if s.isdigit() and int(s) <= 0xFFFFFFFF else None
+    parts = text.split("-")
+    if len(parts) == 1:
+        v = num(parts[0])
+        return None if v is None else (v, v)
+    if len(parts) != 2 or parts == ["", ""]:   # a bare '-' would be 0-2147483647: refused, as CoreDNS
+        return None
+    low = 0 if parts[0] == "" else num(parts[0])
+    high = 2147483647 if parts[1] == "" else num(parts[1])
+    if low is None or high is None or low > high:
+        return None
+    return low, high
+
+
+def _target(args: list[str], toks: list[Token], n: int, at: Token, what: str) -> tuple[Matcher, list[str]]:
+    """The `[TYPE] NAME` of a ttl/rcode rule and its `n` trailing values."""
+    if len(args) < n + 1:
+        raise _RuleError(f"too few ({len(args)}) arguments for a {what} rule", at)
+    if len(args) > n + 2:
+        raise _RuleError(f"too many arguments for a {what} rule", toks[n + 2])
+    if len(args) == n + 1:
+        return _matcher("exact", args[0], toks[0], what), args[1:]
+    kind = args[0].lower()
+    if kind not in KINDS:
+        raise _RuleError(f"{what} rule supports only exact, prefix, suffix, substring, and regex name matching",
+                         toks[0])
+    return _matcher(kind, args[1], toks[1], what), args[2:]
+
+
+def _ttl_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rule:
+    match, (value,) = _target(args, toks, 1, at, "ttl")
+    span = _ttl_value(value)
+    if span is None:
+        raise _RuleError(f"invalid TTL '{value}' for a ttl rule", toks[-1])
+    return ReplyRule(mode, "ttl", match, TTLResp(*span), value)
+
+
+def _rcode(text: str) -> int | None:
+    if text.isdigit() and int(text) <= 23:
+        return int(text)
+    return RCODE_BY_NAME.get(text.upper())
+
+
+def _rcode_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rule:
+    match, (old_s, new_s) = _target(args, toks, 2, at, "rcode")
+    old, new = _rcode(old_s), _rcode(new_s)
+    if old is None:
+        raise _RuleError(f"invalid matching RCODE '{old_s}' for a rcode rule", toks[-2])
+    if new is None:
+        raise _RuleError(f"invalid replacement RCODE '{new_s}' for a rcode rule", toks[-1])
+    if new > 15 or old > 15:
+        raise _RuleError("extended RCODEs (above 15) are not supported by clusterdns", toks[-1])
+    return ReplyRule(mode, "rcode", match, RcodeResp(old, new), f"{old_s} {new_s}")
+
+
+# --- names on the wire ------------------------------------------------------------------------
+
+def _valid_name(name: str) -> bool:
+    """dns.IsDomainName for what a rewrite can produce: labels of 1..63 bytes, 255 in all."""
+    if name == ".":
+        return True
+    if not name.endswith(".") or ".." in name or name.startswith("."):
+        return False
+    labels = name[:-1].split(".")
+    return all(0 < len(x.encode()) <= 63 for x in labels) and sum(len(x.encode()) + 1 for x in labels) + 1 <= 255
+
+
+def _wire_name(data: bytes) -> str | None:
+    out, i = [], 0
+    while i < len(data) and data[i]:
+        n = data[i]
+        if n > 63 or i + 1 + n > len(data):
+            return None
+        out.append(data[i + 1:i + 1 + n].decode("latin-1").lower())
+        i += n + 1
+    return ".".join(out) + "." if out else "."
+
+
+def _name_wire(name: str) -> bytes:
+    if name == ".":
+        return b"\x00"
+    return b"".join(bytes((len(x),)) + x.encode("latin-1") for x in name[:-1].split(".")) + b"\x00"
+
+
+# --- the plugin -------------------------------------------------------------------------------
+
+class Rewrite(Plugin):
+    name = "rewrite"
+
+    def __init__(self, rules: list[Rule]) -> None:
+        self.rules = rules
+
+    async def serve(self, req: Request, next: Next) -> dnslib.DNSRecord:
+        if req.data.get(_STOPPED):      # CoreDNS's one rule list: a stop rule ended it
+            return await next(req)
+        q = req.record.q
+        st = _State(req.qname, q.qtype, q.qclass)
+        matched, stopped, resp = False, False, []
+        for rule in self.rules:
+            got = rule.apply(st)
+            if got is None:
+                continue
+            if not _valid_name(st.name):
+                raise PluginError(SERVFAIL, f"invalid name after rewrite: {st.name}")
+            matched = True
+            resp += got
+            if rule.mode == STOP:
+                stopped = True
+                break
+        if not matched:
+            return await next(req)
+        if stopped:
+            req.data[_STOPPED] = True
+        original, wire = req.record, req.wire
+        asked = copy.copy(original)
+        asked.header = copy.copy(original.header)
+        asked.questions = [dnslib.DNSQuestion(st.name, st.qtype, st.qclass), *original.questions[1:]]
+        req.record = asked
+        req.wire = asked.pack()
+        try:
+            reply = await next(req)
+        finally:
+            req.record, req.wire = original, wire
+        if resp:
+            # our own copy: the reply may be what a cache holds
+            out = dnslib.DNSRecord.parse(reply.pack())
+            for section in (out.auth, out.rr, out.ar):
+                for rr in section:
+                    if rr.rtype != OPT:
+                        for r in resp:
+                            r.on_rr(rr)
+            for r in resp:
+                r.on_reply(out)
+        else:
+            out = copy.copy(reply)
+        out.questions = list(original.questions)
+        return out
+
+    def transparent(self, qname: str, qtype: int) -> bool:
+        # a rule only ever matches the name as asked or as an earlier matching rule left it:
+        # when none matches the question as asked, nothing is rewritten
+        return not any(r.could_match(qname, qtype) for r in self.rules)
+
+    def describe(self) -> str:
+        return "; ".join(str(r) for r in self.rules)
+
+
+def _tokens(d: Directive) -> list[Token]:
+    """The rule's words: the line's, or (CoreDNS's `len(args) < 2`) those plus its block's lines."""
+    toks = list(d.args)
+    if d.body is None:
+        return toks
+    if len(toks) >= 2:
+        raise CorefileError(d, "plugin/rewrite: a block follows only 'rewrite [continue|stop]': "
+                               "put the whole rule on the line or in the block")
+    for line in d.body:
+        if line.body is not None:
+            raise CorefileError(line, "plugin/rewrite: a rewrite block's lines take no block")
+        toks.append(Token(line.name, line.file, line.line))
+        toks += line.args
+    return toks
+
+
+def setup(directive: Directive, ctx: SetupContext) -> Plugin:
+    try:
+        rule = new_rule(_tokens(directive))
+    except _RuleError as exc:
+        where: Token | Directive = exc.token if exc.token is not None and exc.token.file else directive
+        raise CorefileError(where, f"plugin/rewrite: {exc}") from None
+    return Rewrite([rule])
