@@ -1,8 +1,10 @@
 """CoreDNS's spellings, shared by the log, errors and rewrite plugins.
 
 Log lines go to standard output as CoreDNS writes them (`2026-01-02T03:04:05.678Z [INFO] ...`,
-plugin messages as `[ERROR] plugin/errors: ...`), through the `clusterdns.coredns` logger: its
-level follows clusterdns's own (--log-level), it does not propagate to the stderr handler.
+plugin messages as `[ERROR] plugin/errors: ...`), through the `clusterdns.coredns` logger. As in
+CoreDNS, INFO and above always print (a Corefile's `log` asked for them, whatever clusterdns's
+own --log-level) and DEBUG never (CoreDNS prints it only under its `debug` plugin, which
+clusterdns does not have); they do not propagate to clusterdns's stderr handler.
 Type, class and rcode names are miekg/dns's String() forms; durations are Go's.
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ if not any(isinstance(h, _Stdout) for h in LOGGER.handlers):
     _handler.setFormatter(_Format())
     LOGGER.addHandler(_handler)
     LOGGER.propagate = False
+    LOGGER.setLevel(logging.INFO)
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
