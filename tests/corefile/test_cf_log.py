@@ -199,3 +199,9 @@ def test_setup_refuses_with_file_line(text, line, message):
     err = str(info.value)
     assert err.startswith(f"Corefile:{line}: plugin/log: "), err
     assert message in err, err
+
+
+def test_duration_is_go_seconds():
+    # replacer: strconv.FormatFloat(time.Since(start).Seconds(), 'f', -1, 64) + "s"
+    assert [log._seconds(s) for s in (0.0006355220000386907, 3.7990251e-05, 1.5, 2.0, 0.0, 100.0)] == \
+        ["0.000635522s", "0.00003799s", "1.5s", "2s", "0s", "100s"]

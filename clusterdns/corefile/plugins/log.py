@@ -115,8 +115,9 @@ def _bracket(ip: str) -> str:
 
 
 def _seconds(s: float) -> str:
-    """strconv.FormatFloat(s, 'f', -1, 64) + 's': the shortest exact digits, no exponent."""
-    return format(Decimal(repr(s)), "f") + "s"
+    """time.Since(start).Seconds() as strconv.FormatFloat(s, 'f', -1, 64) + 's': whole nanoseconds,
+    the shortest digits, no exponent."""
+    return format(Decimal(repr(round(s, 9))).normalize(), "f") + "s"
 
 
 @dataclass
