@@ -168,7 +168,7 @@ def check_duplicates(blocks_keys: Iterable[Sequence]) -> None:
     for item in blocks_keys:
         keys, addresses = item[0], item[1]
         filtered = bool(item[2]) if len(item) > 2 else False
-        hosts = [_addr(a) for a in addresses] or [""]
+        hosts = list(dict.fromkeys(_addr(a) for a in addresses)) or [""]   # `bind a a` is one address
         for k in keys:
             for h in hosts:
                 exact = (k.scheme, k.zone, k.port, h)
@@ -205,6 +205,6 @@ def listen_groups(blocks_keys: Iterable[Sequence]) -> dict[str, list[tuple[int, 
     for i, item in enumerate(blocks_keys):
         keys, addresses = item[0], item[1]
         for k in keys:
-            for h in addresses or [""]:
-                groups.setdefault(listen_address(k.scheme, h, k.port), []).append((i, k))
+            for addr in dict.fromkeys(listen_address(k.scheme, h, k.port) for h in addresses or [""]):
+                groups.setdefault(addr, []).append((i, k))
     return groups

@@ -128,6 +128,7 @@ class _Reader:
         self.dirs = dirs            # token file -> directory its relative imports are read from
         self.env = env
         self.snippets: dict[str, list[_Tok]] = {}
+        self.files: dict[str, tuple[list[_Tok], str]] = {}   # path -> its tokens, identity
         self.imports = 0
         self.pending: list[_Tok] | None = None
 
@@ -208,6 +209,9 @@ class _Reader:
         frames: list[tuple[list[_Tok], str, str]] = []
         for m in matches:
             name = os.path.normpath(m)
+            if name in self.files:          # imported before in this parse: read it once
+                frames.append((*self.files[name], name))
+                continue
             try:
                 with open(name, encoding="utf-8") as fh:
                     st = os.fstat(fh.fileno())
@@ -217,7 +221,8 @@ class _Reader:
             except (OSError, UnicodeDecodeError) as e:
                 raise CorefileError(at.where, f"could not import {name}: {getattr(e, 'strerror', None) or e}") from None
             self.dirs.setdefault(name, os.path.dirname(name) or ".")
-            frames.append((tokenize(text, name), _identity(name, st), name))
+            self.files[name] = (tokenize(text, name), _identity(name, st))
+            frames.append((*self.files[name], name))
         # the first match is read first: push in reverse
         for toks, origin, name in reversed(frames):
             if origin in self.active:

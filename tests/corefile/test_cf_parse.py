@@ -677,6 +677,16 @@ def test_duplicates_from_corefile_text():
     assert str(e.value) == "CF:4: cannot serve dns://.:53 - it is already defined"
 
 
+def test_same_zone_twice_in_one_block():
+    [b] = P("example.org Example.Org. {\n}", filename="CF")
+    with pytest.raises(CorefileError) as e:
+        check_duplicates([(parse_keys(b), bind_addresses(b))])
+    assert str(e.value) == "CF:1: cannot serve dns://example.org.:53 - it is already defined"
+    # one address written twice (or spelled two ways) is one listener, not a clash
+    assert overlap([(za("."), ["127.0.0.1", "127.0.0.1"])]) is None
+    assert list(listen_groups([(za("."), ["::1", "0::1"])])) == ["dns://[::1]:53"]
+
+
 def test_overlapping_reverse_expansions_collide():
     # coredns#3808: 10.0.0.0/15 and 10.1.0.0/16 both serve 1.10.in-addr.arpa.
     blocks = P("10.0.0.0/15 {\n}\n10.1.0.0/16 {\n}", filename="CF")
