@@ -63,10 +63,15 @@ def _check_zone(host: str) -> None:
             raise ValueError(f"zone is not a valid domain name (label longer than 63): {host!r}")
 
 
+def _digits(s: str) -> bool:
+    """ASCII digits only, as Go's strconv.Atoi (str.isdigit also takes '١٢' and int() reads it)."""
+    return s.isascii() and s.isdigit()
+
+
 def _network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     """A CIDR as Go's net.ParseCIDR takes it (address/prefix-length; host bits allowed)."""
     addr, sep, plen = cidr.partition("/")
-    if not sep or not plen.isdigit() or "%" in addr:
+    if not sep or not _digits(plen) or "%" in addr:
         raise ValueError(f"invalid CIDR {cidr}")
     if addr.startswith(":") or (addr.startswith("0") and ":" in addr):
         # CoreDNS refuses these (`::/64`, `0::/64`): SplitHostPort "invalid CIDR"
@@ -111,7 +116,7 @@ def _split(text: str, default_port: int, token: Token) -> tuple[str, list[str], 
         ptext = rest[colon + 1:]
         if not ptext:
             raise CorefileError(token, f"expecting data after last colon: {text!r}")
-        if not ptext.isdigit() or int(ptext) > 65535:
+        if not _digits(ptext) or int(ptext) > 65535:
             raise CorefileError(token, f"invalid port {ptext!r} in server block key {text!r}")
         host, port = rest[:colon], int(ptext)
     try:

@@ -33,14 +33,16 @@ log = logging.getLogger(__name__)
 MAX_IMPORTS = 10000     # snippet and file imports expanded in one parse (caddy: a hard cap)
 MAX_DEPTH = 100         # nested blocks (real Corefiles nest 2 deep; the parser recurses per level)
 
+# Go's unicode.IsSpace, which caddy splits on (Python's \s also takes \x1c-\x1f)
+_WS = "\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # One lexical item per match; whatever matches none of them (whitespace) is skipped.
 _LEX = re.compile(r"""
     (?P<nl>\n)
   | (?P<comment>\#[^\n]*)
   | (?P<quoted>"(?:[^"\\]|\\.)*")
   | (?P<open_quote>")
-  | (?P<word>[^\s\#"][^\s\#]*)
-""", re.VERBOSE | re.DOTALL)
+  | (?P<word>[^WS\#"][^WS\#]*)
+""".replace("WS", _WS), re.VERBOSE | re.DOTALL)
 _ESCAPE = re.compile(r'\\(.)', re.DOTALL)
 
 

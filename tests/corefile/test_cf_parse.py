@@ -76,6 +76,7 @@ def err(text: str, **kw) -> str:
     ('empty "" string', ["empty", "", "string"]),
     ("skip those\r\nCR characters", ["skip", "those", "CR", "characters"]),
     ("\ufeff:8080", [":8080"]),
+    ("a\u00a0b\u2003c\x1cd", ["a", "b", "c\x1cd"]),          # Go's unicode.IsSpace, not Python's
 ])
 def test_tokens(text, expected):
     assert [t.text for t in tokenize(text)] == expected
@@ -591,6 +592,9 @@ def test_parse_keys_keep_their_token():
     ("example.org:abc", "invalid port"),
     ("example.org:70000", "invalid port"),
     ("example.org:-1", "invalid port"),
+    ("example.org:+53", "invalid port"),
+    ("example.org:\u0661\u0662", "invalid port"),   # Arabic-Indic digits: str.isdigit, not Atoi
+    ("10.0.0.0/\u0661\u0666", "invalid CIDR"),
     ("example.org:", "after last colon"),
     ("http://example.org", "unknown scheme"),
     ("unix://x", "unknown scheme"),
