@@ -14,33 +14,20 @@ import dns.rcode
 import dnslib
 import pytest
 
+from clusterdns.corefile.parse import parse_text
 from clusterdns.corefile.plugin import REFUSED, SERVFAIL, PluginError, Request, SetupContext
 from clusterdns.corefile.plugins.forward import ForwardPlugin, setup
-from clusterdns.corefile.syntax import CorefileError, Directive, Token
+from clusterdns.corefile.syntax import CorefileError, Directive
 from clusterdns.dns import metrics
 from tests.dns.dnskit import RECORDS, FakeUpstream, closed_port
 
 FILE = "Corefile"
 
 
-def directive(text: str, first_line: int = 3) -> Directive:
-    """`forward ... { ... }` as the parser gives it: one directive per line, FILE:LINE on each token."""
-    lines = text.strip().splitlines()
-
-    def tokens(s: str, n: int) -> list[Token]:
-        return [Token(w, FILE, n) for w in s.split()]
-
-    head = lines[0].strip()
-    has_block = head.endswith("{")
-    words = tokens(head.rstrip("{"), first_line)
-    d = Directive(words[0].text, words[1:], [] if has_block else None, FILE, first_line)
-    for i, raw in enumerate(lines[1:], first_line + 1):
-        s = raw.strip()
-        if s == "}" or not s:
-            continue
-        ws = tokens(s, i)
-        assert d.body is not None
-        d.body.append(Directive(ws[0].text, ws[1:], None, FILE, i))
+def directive(text: str) -> Directive:
+    """`forward ... { ... }` read by the real Corefile parser, on line 3 of the file."""
+    blocks = parse_text("# forward tests\n.:53 {\n" + text + "\n}\n", FILE)
+    (d,) = blocks[0].directives
     return d
 
 

@@ -52,6 +52,7 @@ import dnslib
 
 from ...dns import resolvconf
 from ...dns.forward import MAX_UPSTREAMS, Forward, ForwardFailed, ForwardRefused, Upstream
+from ..keys import reverse_zones
 from ..plugin import REFUSED, SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, fqdn, is_subdomain
 from ..syntax import Directive, Token, duration, plugin_error
 
@@ -142,17 +143,9 @@ def _zones(d: Directive, text: str) -> list[str]:
     """A FROM or except name as CoreDNS's NormalizeExact makes it: FQDN, a CIDR its reverse zones."""
     if "/" in text:
         try:
-            net = ipaddress.ip_network(text, strict=False)
+            return reverse_zones(text)
         except ValueError:
             raise plugin_error(d, f"unable to normalize '{text}'", "forward") from None
-        step = 8 if net.version == 4 else 4
-        whole = -(-net.prefixlen // step) * step     # up to a label boundary
-        out = []
-        for sub in net.subnets(new_prefix=whole) if whole > net.prefixlen else [net]:
-            labels = sub.network_address.reverse_pointer.split(".")
-            keep = whole // step                      # the address labels that are fixed
-            out.append(fqdn(".".join(labels[len(labels) - 2 - keep:])))
-        return out
     if not _name_ok(text):
         raise plugin_error(d, f"unable to normalize '{text}'", "forward")
     return [fqdn(text)]
