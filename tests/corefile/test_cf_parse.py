@@ -938,3 +938,34 @@ def test_k8s_docs():
     assert fed.values == ["cluster.local"] and [line_of(d) for d in fed.body] == [["foo", "foo.feddomain.com"]]
     assert find(blocks[0], "forward")[0].values == [".", "8.8.8.8", "8.8.4.4"]
     assert find(blocks[2], "forward")[0].values == [".", "2.3.4.5"]
+
+
+# ---- never a crash ---------------------------------------------------------------------
+
+PIECES = ["{", "}", '"', "#", "\n", "\n", " ", " ", "import", "(s)", "s", "a.org", ",", "{$X}", "{%X%}", "\\",
+          "log", ":53", ".", "10.0.0.0/15", "tls://", "*", "?", "[", "]", "::", "/", "x{", "}y", "\t", "\ufeff", "\r"]
+
+
+def test_random_input_is_parsed_or_refused_with_file_and_line(tmp_path):
+    import random
+    rnd = random.Random(20261202)
+    write(tmp_path / "s", "log\n")
+    outcomes = {"parsed": 0, "refused": 0}
+    for _ in range(3000):
+        text = "".join(rnd.choice(PIECES) for _ in range(rnd.randint(1, 40)))
+        try:
+            blocks = P(text, filename="CF", base_dir=str(tmp_path), env={"X": rnd.choice(["", "{", "a b", "s"])})
+        except CorefileError as e:
+            assert str(e).startswith(("CF:", str(tmp_path))), (text, str(e))
+            outcomes["refused"] += 1
+            continue
+        outcomes["parsed"] += 1
+        for b in blocks:
+            assert b.keys and all(isinstance(d, Directive) for d in walk(b.directives))
+            try:
+                ks = parse_keys(b)
+            except CorefileError as e:
+                assert str(e).startswith("CF:"), (text, str(e))
+                continue
+            assert all(k.zone.endswith(".") and 0 <= k.port <= 65535 for k in ks)
+    assert outcomes["parsed"] > 100 and outcomes["refused"] > 100, outcomes
