@@ -119,3 +119,18 @@ def chain(plugins: list, last):
     for p in reversed(plugins):
         handler = (lambda plug, nxt: (lambda req: plug.serve(req, nxt)))(p, handler)
     return handler
+
+
+def real_directives(plugin: str) -> list[tuple[str, Directive]]:
+    """Every `plugin` line of the real Corefiles in tests/corefile/real/, read by the Corefile parser."""
+    from pathlib import Path
+
+    from clusterdns.corefile.parse import parse_text
+    found = []
+    for path in sorted((Path(__file__).resolve().parent / "real").glob("*.corefile")):
+        text = path.read_text()
+        if "__PILLAR__" in text:      # node-local-dns's template: read once filled (test_cf_pillars)
+            continue
+        for block in parse_text(text, path.name, env={}, base_dir=str(path.parent)):
+            found += [(f"{d.where}", d) for d in block.directives if d.name == plugin]
+    return found

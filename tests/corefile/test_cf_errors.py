@@ -11,7 +11,7 @@ from clusterdns.corefile.plugin import SERVFAIL, PluginError
 from clusterdns.corefile.plugins import errors
 from clusterdns.corefile.plugins._coredns import go_duration_string
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, ctx, directive, query
+from tests.corefile.cfplugkit import Canned, ctx, directive, query, real_directives
 
 NOTAUTH = 9
 
@@ -162,3 +162,8 @@ def test_setup_accepts():
         (300.0, ".* i/o timeout$", 30, False), (30.0, "^Failed to .+", 40, False)]
     p = plug('errors {\n  consolidate 1m30s x show_first\n}')
     assert (p.patterns[0].period, p.patterns[0].level, p.patterns[0].show_first) == (90.0, 40, True)
+
+
+@pytest.mark.parametrize("where, d", real_directives("errors"), ids=lambda v: v if isinstance(v, str) else "")
+def test_real_corefiles_lines_are_accepted(where, d):
+    assert errors.setup(d, ctx()).describe()

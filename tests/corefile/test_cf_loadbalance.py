@@ -10,7 +10,7 @@ import pytest
 
 from clusterdns.corefile.plugins import loadbalance
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, ctx, directive, query
+from tests.corefile.cfplugkit import Canned, ctx, directive, query, real_directives
 
 CNAME, A, AAAA, MX, NS, SOA = 5, 1, 28, 15, 2, 6
 ORDER = {CNAME: 0, A: 1, AAAA: 1, MX: 2, NS: 3}
@@ -187,3 +187,8 @@ def test_setup_refuses_with_file_line(text, message):
     line = "2" if "\n" in text and "weighted" not in text and "extra" not in text else "1"
     assert err.startswith(f"Corefile:{line}: plugin/loadbalance: "), err
     assert message in err, err
+
+
+@pytest.mark.parametrize("where, d", real_directives("loadbalance"), ids=lambda v: v if isinstance(v, str) else "")
+def test_real_corefiles_lines_are_accepted(where, d):
+    assert loadbalance.setup(d, ctx()).describe()

@@ -12,7 +12,7 @@ import pytest
 from clusterdns.corefile.plugin import NXDOMAIN, SERVFAIL, PluginError
 from clusterdns.corefile.plugins import log
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, chain, ctx, directive, query
+from tests.corefile.cfplugkit import Canned, chain, ctx, directive, query, real_directives
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
 
@@ -205,3 +205,8 @@ def test_duration_is_go_seconds():
     # replacer: strconv.FormatFloat(time.Since(start).Seconds(), 'f', -1, 64) + "s"
     assert [log._seconds(s) for s in (0.0006355220000386907, 3.7990251e-05, 1.5, 2.0, 0.0, 100.0)] == \
         ["0.000635522s", "0.00003799s", "1.5s", "2s", "0s", "100s"]
+
+
+@pytest.mark.parametrize("where, d", real_directives("log"), ids=lambda v: v if isinstance(v, str) else "")
+def test_real_corefiles_lines_are_accepted(where, d):
+    assert log.setup(d, ctx()).describe()

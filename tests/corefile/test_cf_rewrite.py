@@ -12,7 +12,7 @@ import pytest
 from clusterdns.corefile.plugin import SERVFAIL, PluginError
 from clusterdns.corefile.plugins import rewrite
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, chain, ctx, directive, names, query
+from tests.corefile.cfplugkit import Canned, chain, ctx, directive, names, query, real_directives
 
 A, ANY, HINFO, SRV = 1, 255, 13, 33
 
@@ -417,3 +417,30 @@ def test_describe_is_one_line_of_the_rule():
                     r"answer name (.*)\.default\.svc\.cluster\.local {1}.example.com.")
     assert plug("rewrite continue ttl a.b 30-300").describe() == "continue ttl exact a.b. 30-300"
     assert plug("rewrite type any a").describe() == "stop type ANY A"
+
+
+@pytest.mark.parametrize("where, d", real_directives("rewrite"), ids=lambda v: v if isinstance(v, str) else "")
+def test_real_corefiles_lines_are_accepted(where, d):
+    assert rewrite.setup(d, ctx()).describe()
+
+
+async def test_kubespray_documented_lines_through_the_parser():
+    # kubespray-coredns.corefile's template: old_dns_domains lines and the coredns_rewrite_block example
+    from clusterdns.corefile.parse import parse_text
+    text = (".:53 {\n"
+            "    rewrite name suffix cluster.old cluster.local answer auto\n"
+            "    rewrite stop {\n"
+            "        name regex (.*)\\.my\\.domain {1}.svc.cluster.local\n"
+            "        answer name (.*)\\.svc\\.cluster\\.local {1}.my.domain\n"
+            "    }\n"
+            "    rewrite name stop website.tld website.namespace.svc.cluster.local\n"
+            "}\n")
+    d1, d2, d3 = parse_text(text, "Corefile", env={})[0].directives
+    plugins = [rewrite.setup(d, ctx()) for d in (d1, d2)]
+    last = Canned(answer="@ 5 IN A 10.0.0.9")
+    reply = await chain(plugins, last)(query("web.ns.my.domain."))
+    assert str(last.asked[0].q.qname) == "web.ns.svc.cluster.local."
+    assert names(reply.rr) == ["web.ns.my.domain."]
+    # kubespray's external-zone example puts `stop` after `name`: CoreDNS refuses it, so do we
+    with pytest.raises(CorefileError, match=r"^Corefile:7: plugin/rewrite: name rule supports only exact"):
+        rewrite.setup(d3, ctx())
