@@ -13,7 +13,6 @@ plain `loadbalance` is transparent there; with `prefer` or `limit_answers` it is
 """
 from __future__ import annotations
 
-import copy
 import ipaddress
 import random
 
@@ -27,16 +26,36 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def round_robin(records: list[dnslib.RR], rand: random.Random) -> list[dnslib.RR]:
+    if len(records) < 2:
+        return records
     cname: list[dnslib.RR] = []
     address: list[dnslib.RR] = []
     mx: list[dnslib.RR] = []
     ns: list[dnslib.RR] = []
     rest: list[dnslib.RR] = []
     for rr in records:
-        {CNAME: cname, A: address, AAAA: address, MX: mx, NS: ns}.get(rr.rtype, rest).append(rr)
+        t = rr.rtype
+        if t == A or t == AAAA:
+            address.append(rr)
+        elif t == CNAME:
+            cname.append(rr)
+        elif t == MX:
+            mx.append(rr)
+        elif t == NS:
+            ns.append(rr)
+        else:
+            rest.append(rr)
     for group in (address, mx, ns):
-        rand.shuffle(group)
+        if len(group) > 1:
+            rand.shuffle(group)
     return cname + rest + address + mx + ns
+
+
+def _copy(reply: dnslib.DNSRecord) -> dnslib.DNSRecord:
+    """A shallow copy (copy.copy takes ~14 us on a DNSRecord; this ~1)."""
+    out = dnslib.DNSRecord.__new__(dnslib.DNSRecord)
+    out.__dict__.update(reply.__dict__)
+    return out
 
 
 def prefer(records: list[dnslib.RR], subnets: list[Network]) -> list[dnslib.RR]:
@@ -79,7 +98,7 @@ class LoadBalance(Plugin):
         qtype = reply.q.qtype if reply.questions else req.qtype
         if qtype in (AXFR, IXFR):
             return reply
-        out = copy.copy(reply)      # new section lists: the reply may be a cache's
+        out = _copy(reply)          # new section lists: the reply may be a cache's
         out.rr = round_robin(reply.rr, self.rand)
         out.auth = round_robin(reply.auth, self.rand)
         out.ar = round_robin(reply.ar, self.rand)
