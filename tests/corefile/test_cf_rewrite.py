@@ -246,6 +246,10 @@ async def test_answer_value_rewrites_record_data():
     assert str(reply.auth[0].rdata.mname) == "ns.coredns.rocks."
     assert names(reply.auth) == ["svc.cluster.local."]     # `svc.cluster.local.` has no `.` before it
     assert names(reply.ar) == ["web.coredns.rocks."]
+    # next's reply (a cache's, say) is left as it was
+    kept = last.replies[0]
+    assert str(kept.rr[0].rdata).split()[-1] == "web.svc.cluster.local."
+    assert names(kept.rr)[0] == "xmpp.svc.cluster.local." and str(kept.auth[0].rdata.mname) == "ns.svc.cluster.local."
 
 
 async def test_without_answer_value_record_data_stays():
@@ -360,8 +364,10 @@ TTL_RULES = [
 ])
 async def test_ttl_rules(name, qtype, answer, ttls):
     plugins = [plug(t) for t in TTL_RULES]
-    reply = await chain(plugins, Canned(answer=answer))(query(name, qtype))
+    canned = Canned(answer=answer)
+    reply = await chain(plugins, canned)(query(name, qtype))
     assert [rr.ttl for rr in reply.rr] == ttls
+    assert [rr.ttl for rr in canned.replies[0].rr] == [int(x.split()[1]) for x in answer.splitlines()]
 
 
 async def test_ttl_applies_to_every_section_but_not_the_opt_record():
@@ -383,8 +389,9 @@ async def test_ttl_applies_to_every_section_but_not_the_opt_record():
 
 async def test_rcode_rule():
     p = plug("rewrite rcode suffix .blocked.example NXDOMAIN REFUSED")
-    reply = await p.serve(query("ads.blocked.example."), Canned(rcode=3))
-    assert reply.header.rcode == 5
+    canned = Canned(rcode=3)
+    reply = await p.serve(query("ads.blocked.example."), canned)
+    assert reply.header.rcode == 5 and canned.replies[0].header.rcode == 3
     reply = await p.serve(query("ads.blocked.example."), Canned(rcode=0))
     assert reply.header.rcode == 0
     reply = await p.serve(query("ads.fine.example."), Canned(rcode=3))
