@@ -655,3 +655,44 @@ async def test_dot_fails_when_the_certificate_does_not_match(certs, dot_upstream
     assert exc.value.rcode == SERVFAIL and why in exc.value.reason, exc.value.reason
     assert dot_upstream.received == []
     await p.stop()
+
+
+# --- the real Corefiles ----------------------------------------------------------------------
+
+REAL = __import__("pathlib").Path(__file__).parent / "real"
+
+
+def real_forwards(name: str, tmp_path) -> list[ForwardPlugin]:
+    """Every top-level `forward` of a real Corefile set up (pillars filled with an IP, the node's
+    /etc/resolv.conf replaced by one of the test's own so the test runs anywhere)."""
+    import re
+
+    from clusterdns.corefile.parse import parse_text
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 10.255.255.53\n")
+    text = (REAL / name).read_text()
+    text = re.sub(r"__PILLAR__[A-Z_]+__", "10.0.0.10", text).replace("/etc/resolv.conf", str(conf))
+    out = []
+    for block in parse_text(text, name):
+        for d in block.directives:
+            if d.name == "forward":
+                out.append(setup(d, SetupContext(zones=["."])))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in REAL.glob("*.corefile")))
+def test_every_real_corefile_forward_sets_up(name, tmp_path):
+    found = real_forwards(name, tmp_path)
+    assert found                       # each of them forwards somewhere
+    for p in found:
+        assert p.fwd.upstreams and p.describe().startswith(f"forward {p.from_zone} ")
+
+
+def test_real_corefile_options_are_read(tmp_path):
+    (kubeadm,) = real_forwards("kubeadm.corefile", tmp_path)
+    assert kubeadm.fwd.max_concurrent == 1000 and [u.address for u in kubeadm.fwd.upstreams] == ["10.255.255.53:53"]
+    assert all(p.fwd.force_tcp for p in real_forwards("nodelocaldns.corefile", tmp_path)[:3])
+    aks = real_forwards("aks-localdns.corefile", tmp_path)
+    assert len(aks) == 4 and all(p.fwd.policy == "sequential" for p in aks)
+    assert [p.fwd.prefer_udp for p in aks] == [True, False, True, True]
+    assert [p.fwd.max_concurrent for p in aks] == [1000, 1000, 1000, 2000]
