@@ -614,14 +614,25 @@ def certs(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-async def dot_upstream(certs):
-    """A DNS-over-TLS server on loopback: FakeUpstream's TCP handler behind Python's ssl."""
-    up = FakeUpstream(RECORDS)
+async def start_dot(certs, up: FakeUpstream):
+    """A DNS-over-TLS server on loopback: FakeUpstream's TCP handler behind Python's ssl; the
+    handshakes it completed are counted in up.connections."""
     sctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     sctx.load_cert_chain(certs / "cert.pem", certs / "key.pem")
-    server = await asyncio.start_server(up._handle, "127.0.0.1", 0, ssl=sctx)
+    up.connections = 0  # type: ignore[attr-defined]
+
+    async def handle(reader, writer):
+        up.connections += 1  # type: ignore[attr-defined]
+        await up._handle(reader, writer)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=sctx)
     up.port = server.sockets[0].getsockname()[1]
+    return server
+
+
+@pytest.fixture
+async def dot_upstream(certs):
+    up = FakeUpstream(RECORDS)
+    server = await start_dot(certs, up)
     yield up
     server.close()
     await server.wait_closed()
@@ -635,6 +646,7 @@ async def test_dot_verifies_the_server_name_against_the_ca(certs, dot_upstream):
         reply = await p.serve(request("www.example"), Next())
         assert str(reply.rr[0].rdata) == "192.0.2.1"
     assert [r[0] for r in dot_upstream.received] == ["tcp", "tcp"]    # DNS over the TLS stream
+    assert dot_upstream.connections == 1                               # one session, reused
     await p.stop()
     # the per-upstream form: tls://IP%NAME:PORT
     p = make(f"forward . tls://127.0.0.1%dns.test.local:{dot_upstream.port} {{\ntls {ca}\n}}")
@@ -696,3 +708,25 @@ def test_real_corefile_options_are_read(tmp_path):
     assert len(aks) == 4 and all(p.fwd.policy == "sequential" for p in aks)
     assert [p.fwd.prefer_udp for p in aks] == [True, False, True, True]
     assert [p.fwd.max_concurrent for p in aks] == [1000, 1000, 1000, 2000]
+
+
+async def test_dot_health_probe_goes_over_tls(certs):
+    up = Dropping()
+    server = await start_dot(certs, up)
+    try:
+        p = make(f"forward . tls://127.0.0.1:{up.port} {{\ntls {certs / 'cert.pem'}\n"
+                 "tls_servername dns.test.local\nmax_fails 1\nhealth_check 0.05s domain example.org\n}")
+        p.fwd.read_timeout = 0.3
+        with pytest.raises(PluginError):
+            await p.serve(request("www.example"), Next())       # dropped: down
+        assert (await probes(up))[0] == ("example.org.", True, "tcp")
+        for _ in range(50):
+            if p.fwd.healthy(p.fwd.upstreams[0]):
+                break
+            await asyncio.sleep(0.02)
+        assert p.fwd.healthy(p.fwd.upstreams[0])
+        assert str((await p.serve(request("www.example"), Next())).rr[0].rdata) == "192.0.2.1"
+        await p.stop()
+    finally:
+        server.close()
+        await server.wait_closed()
