@@ -254,10 +254,9 @@ class _Parser:
         self.env = env
         self.depth = 0
 
-    def _check_braces(self, line: list[_Tok], opens: bool) -> None:
-        """No brace but a last `{` (when `opens`) may stand among a line's tokens."""
-        last = len(line) - 1 if opens else len(line)
-        for t in line[:last]:
+    def _check_braces(self, toks: list[_Tok]) -> None:
+        """No brace may stand among a line's tokens (its last `{` already taken off)."""
+        for t in toks:
             if t.is_brace("{"):
                 raise CorefileError(t.where, "a block's '{' must end its line")
             if t.is_brace("}"):
@@ -301,7 +300,7 @@ class _Parser:
         opens = self._opens(line)
         explicit = line[-1].is_brace("{")
         toks = line[:-1] if explicit else line
-        self._check_braces(toks, False)
+        self._check_braces(toks)
         d = Directive(replace_env(name.text, self.env), [_text(t, self.env) for t in toks[1:]],
                       None, name.file, name.line)
         if opens:
@@ -326,7 +325,7 @@ class _Parser:
         while True:
             explicit = line[-1].is_brace("{")
             toks = line[:-1] if explicit else line
-            self._check_braces(toks, False)
+            self._check_braces(toks)
             more = False
             for t in toks:
                 text = replace_env(t.text, self.env)
@@ -353,7 +352,7 @@ class _Parser:
                 return None             # a line of empty keys ("") alone: nothing, as caddy
             raise CorefileError(first.where, "a server block needs at least one key (zone) before its '{'")
         if len(keys) == 1 and keys[0].text.startswith("(") and keys[0].text.endswith(")"):
-            self.snippet(keys[0], opens, first)
+            self.snippet(keys[0], opens)
             return None
         if not opens:
             for k in keys:
@@ -370,7 +369,7 @@ class _Parser:
                                           "server block " + " ".join(k.text for k in keys)),
                            where.file, where.line)
 
-    def snippet(self, key: Token, opens: bool, first: _Tok) -> None:
+    def snippet(self, key: Token, opens: bool) -> None:
         name = key.text[1:-1]
         if not opens:
             raise CorefileError(key.where, f"snippet {key.text} needs a '{{' block")
