@@ -226,6 +226,7 @@ def plugins_for(cfg, forwarder) -> tuple[str, ...]:
 
 _servers: "weakref.WeakSet[ServerStats]" = weakref.WeakSet()
 _caches: "weakref.WeakSet" = weakref.WeakSet()
+_corefile_caches: "weakref.WeakSet" = weakref.WeakSet()   # Corefile `cache` plugins: own labels
 _panics = [0]
 
 
@@ -253,6 +254,15 @@ def retire_server(stats: ServerStats) -> None:
 
 def register_cache(cache) -> None:
     _caches.add(cache)
+
+
+def register_corefile_cache(cache) -> None:
+    """A Corefile cache plugin: its metric_samples() (family, labels, value) join the cache families."""
+    _corefile_caches.add(cache)
+
+
+def unregister_corefile_cache(cache) -> None:
+    _corefile_caches.discard(cache)
 
 
 def panic() -> None:
@@ -377,23 +387,44 @@ class DnsCollector:
     @staticmethod
     def _cache(server: str):
         """The cache's counters with CoreDNS's labels. One cache serves every listener of the
-        DNS server, so its series carry the first serving listener's `server` label."""
+        DNS server, so its series carry the first serving listener's `server` label. The
+        Corefile caches' series (their own server/zones labels) join the same families."""
         extra = {"server": server, "zones": ZONE, "view": ""}
+        corefile: dict[str, dict[tuple, float]] = {}
+        for c in list(_corefile_caches):
+            for name, labels, value in c.metric_samples():
+                k = tuple(sorted(labels.items()))
+                table = corefile.setdefault(name, {})
+                table[k] = table.get(k, 0.0) + value   # two blocks with the same labels: one series
         for metric in (cache_requests, cache_hits, cache_misses, cache_served_stale, cache_evictions):
             for family in metric.collect():
-                out = CounterMetricFamily(family.name, family.documentation, labels=None)
+                table = corefile.pop(family.name, {})
                 for s in family.samples:
                     if s.name.endswith("_total"):
-                        out.add_sample(s.name, {**extra, **s.labels}, s.value)
+                        k = tuple(sorted({**extra, **s.labels}.items()))
+                        table[k] = table.get(k, 0.0) + s.value   # one series per label set
+                out = CounterMetricFamily(family.name, family.documentation, labels=None)
+                for labels, value in table.items():
+                    out.add_sample(family.name + "_total", dict(labels), value)
                 yield out
-        entries = GaugeMetricFamily("coredns_cache_entries", "The number of elements in the cache.",
-                                    labels=["server", "type", "zones", "view"])
+        for name, doc in (("coredns_cache_prefetch", "The number of times the cache has prefetched a cached item."),
+                          ("coredns_cache_drops", "The number responses that are not cached, because the reply is malformed.")):
+            if name in corefile:
+                out = CounterMetricFamily(name, doc, labels=None)
+                for labels, value in corefile.pop(name).items():
+                    out.add_sample(name + "_total", dict(labels), value)
+                yield out
+        entries = GaugeMetricFamily("coredns_cache_entries", "The number of elements in the cache.", labels=None)
         pos = neg = 0
         for c in list(_caches):
             p, n = c.counts()
             pos, neg = pos + p, neg + n
-        entries.add_metric([server, "success", ZONE, ""], pos)
-        entries.add_metric([server, "denial", ZONE, ""], neg)
+        table = corefile.pop("coredns_cache_entries", {})
+        for kind, n in (("success", pos), ("denial", neg)):
+            k = tuple(sorted({**extra, "type": kind}.items()))
+            table[k] = table.get(k, 0.0) + n
+        for labels, value in table.items():
+            entries.add_sample("coredns_cache_entries", dict(labels), value)
         yield entries
 
     @staticmethod
