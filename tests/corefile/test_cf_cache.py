@@ -581,17 +581,18 @@ async def test_state_zone_entries_dropped_on_every_state_change():
         await plugin.serve(query("testapp-svc.testapp.svc.Cluster.Local"), svc)
         await plugin.serve(query("example.org"), ext)
     assert svc.calls == 1 and ext.calls == 1       # cached like CoreDNS while the state stands
-    main, state = plugin._main, plugin._state
+    main, state, entries = plugin._main, plugin._state, len(plugin._state.p)
+    assert gauge(plugin) == {"success": 2, "denial": 0}
     plugin.on_state(object())
-    assert plugin._main is main and plugin._state is not state     # a new store, nothing walked
+    assert gauge(plugin) == {"success": 1, "denial": 0}       # the retired pair is not counted
+    # O(1): nothing walked, nothing cleared; the old pair is simply not looked at again
+    assert plugin._main is main and plugin._state is state and len(state.p) == entries == 1
     await plugin.serve(query("testapp-svc.testapp.svc.cluster.local"), svc)
     await plugin.serve(query("example.org"), ext)
     assert svc.calls == 2 and ext.calls == 1       # only the state zone's entries went
-    # nothing of the state zones stored since: the store is kept (no allocation per state change)
-    plugin.on_state(object())
-    kept = plugin._state
-    plugin.on_state(object())
-    assert plugin._state is kept
+    assert plugin._state is not state
+    await plugin.serve(query("testapp-svc.testapp.svc.cluster.local"), svc)
+    assert svc.calls == 2                          # cached again until the next change
     # negative answers under the state zone too
     nx = Next("nxdomain")
     await plugin.serve(query("missing.svc.cluster.local"), nx)
@@ -602,13 +603,17 @@ async def test_state_zone_entries_dropped_on_every_state_change():
     assert nx.calls == 2
 
 
+def gauge(plugin: Cache) -> dict[str, float]:
+    return {labels["type"]: v for name, labels, v in plugin.metric_samples() if name == "coredns_cache_entries"}
+
+
 async def test_answer_fetched_across_a_state_change_is_not_stored():
     plugin, clock = make("cache 30", state_zones=("cluster.local.",))
     svc = Next(ttl=30)
     svc.gate = asyncio.Event()
     task = asyncio.create_task(plugin.serve(query("a.svc.cluster.local"), svc))
     await asyncio.sleep(0)
-    plugin._state_used = True       # something was stored: the change makes new stores
+    assert svc.calls == 1           # next is answering
     plugin.on_state(object())
     svc.gate.set()
     await task

@@ -42,9 +42,10 @@ prefetch_test.go and spoof_test.go):
   ZONES (all without ZONES). Names outside the plugin's ZONES go to next uncached.
 
 State zones (`ctx.state_zones`, the zones the block answers from the cluster
-state): their entries live in stores of their own, replaced by new empty ones
-on every state change (on_state), so an answer for a state-zone name is never
-served older than the state it came from. This is a deliberate difference:
+state): their entries live in stores of their own, retired on every state
+change (on_state counts a generation up, O(1); the next lookup starts an empty
+pair, and an answer whose query began before the change is not stored), so an
+answer for a state-zone name is never served older than the state it came from. This is a deliberate difference:
 CoreDNS keeps them up to the TTL cap, which would delay a new Service. The
 plugin is transparent for those names (the DNS memo answers the current state,
 the cache adds nothing there) and for names outside its ZONES.
@@ -169,11 +170,12 @@ class _Store(cachetools.TLRUCache):
 
 
 class _Stores:
-    __slots__ = ("p", "n")
+    __slots__ = ("p", "n", "gen")
 
-    def __init__(self, opts: Options, clock: Callable[[], float]) -> None:
+    def __init__(self, opts: Options, clock: Callable[[], float], gen: int = -1) -> None:
         self.p = _Store(opts.pcap, opts.stale, clock)
         self.n = _Store(opts.ncap, opts.stale, clock)
+        self.gen = gen          # the state generation a state-zone pair belongs to
 
 
 def classify(reply: dnslib.DNSRecord, do: bool) -> int:
@@ -252,8 +254,11 @@ class Cache(Plugin):
         self.clock = clock
         self.zones_label = ",".join(opts.zones)
         self._main = _Stores(opts, self._now)
-        self._state = _Stores(opts, self._now)
-        self._state_used = False                       # anything stored in _state since it was made
+        # The state zones' pair belongs to one state generation: on_state only counts one up
+        # (O(1), whatever thread calls it); the next lookup makes a new pair, and an answer
+        # whose query began under an older generation is not stored.
+        self._gen = 0
+        self._state = _Stores(opts, self._now, self._gen)
         self.pending: set[asyncio.Task] = set()        # background refreshes (prefetch, stale)
         self._counts: dict[tuple[str, str, str], int] = {}   # (metric, server, type) -> n
         self._stored_by: set[str] = set()              # servers whose queries stored entries
@@ -267,9 +272,8 @@ class Cache(Plugin):
         return match_zone(self.zones, qname) is None or match_zone(self.state_zones, qname) is not None
 
     def on_state(self, state) -> None:
-        # O(1): a new pair of stores (none needed while nothing of the state zones was stored)
-        if self._state_used:
-            self._state, self._state_used = _Stores(self.opts, self._now), False
+        # Called once the new state is the one answered: everything cached before is older.
+        self._gen += 1
 
     async def start(self) -> None:
         metrics.register_corefile_cache(self)
@@ -338,7 +342,10 @@ class Cache(Plugin):
 
     def _stores(self, qname: str) -> _Stores:
         if self.state_zones and match_zone(self.state_zones, qname) is not None:
-            return self._state
+            s, gen = self._state, self._gen
+            if s.gen != gen:
+                s = self._state = _Stores(self.opts, self._now, gen)
+            return s
         return self._main
 
     def _usable(self, item: Item | None, now: float) -> bool:
@@ -402,8 +409,8 @@ class Cache(Plugin):
 
     def _set(self, reply: dnslib.DNSRecord, key: Key, kind: int, seconds: float, stores: _Stores,
              server: str, prefetch: bool) -> None:
-        if stores is not self._main and stores is not self._state:
-            return          # the state changed while next answered: that answer is of the old state
+        if stores is not self._main and stores.gen != self._gen:
+            return          # the state changed while next answered: that answer may be of the old one
         qname = key[0]
         if kind in (NOERROR_T, DELEGATION_T):
             if match_zone(self.opts.pexcept, qname) is not None:
@@ -421,8 +428,6 @@ class Cache(Plugin):
             self._count("evictions", server, kind_label, store.evicted - before)
         if prefetch and kind_label == SUCCESS:
             stores.n.pop(key, None)
-        if stores is self._state:
-            self._state_used = True
         self._stored_by.add(server)
 
     def _should_prefetch(self, item: Item, now: float) -> bool:
@@ -480,8 +485,10 @@ class Cache(Plugin):
             if kind:
                 labels["type"] = kind
             yield f"coredns_cache_{metric}", labels, float(n)
-        pos = len(self._main.p) + len(self._state.p)
-        neg = len(self._main.n) + len(self._state.n)
+        pos, neg = len(self._main.p), len(self._main.n)
+        state = self._state
+        if state.gen == self._gen:
+            pos, neg = pos + len(state.p), neg + len(state.n)
         for server in sorted(self._stored_by):
             for kind, n in ((SUCCESS, pos), (DENIAL, neg)):
                 yield "coredns_cache_entries", {"server": server, "type": kind, "zones": self.zones_label,
