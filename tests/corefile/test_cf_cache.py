@@ -7,14 +7,16 @@ prefetch_test.go, spoof_test.go) and README; the state-zone drop is clusterdns's
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import dnslib
 import pytest
 from prometheus_client import generate_latest
 
+from clusterdns.corefile.parse import load, parse_text, walk
 from clusterdns.corefile.plugin import PluginError, Request, SetupContext
 from clusterdns.corefile.plugins.cache import Cache, setup
-from clusterdns.corefile.syntax import CorefileError, Directive, Token
+from clusterdns.corefile.syntax import CorefileError, Directive
 from clusterdns.metrics import DNS as REGISTRY
 
 A, AAAA, MX, SOA_T = dnslib.QTYPE.A, dnslib.QTYPE.AAAA, dnslib.QTYPE.MX, dnslib.QTYPE.SOA
@@ -23,21 +25,11 @@ SERVER = "dns://192.0.2.53:53"   # a label no other test's listener has
 
 # -- helpers ----------------------------------------------------------------------------------
 
-def directive(text: str, file: str = "Corefile", first: int = 1) -> Directive:
-    """`cache ARGS [{` / body lines / `}]` as the Corefile parser hands it over, with lines."""
-    lines = text.strip("\n").splitlines()
-    head = lines[0].split()
-    has_block = head[-1] == "{"
-    if has_block:
-        head = head[:-1]
-    d = Directive(head[0], [Token(t, file, first) for t in head[1:]], [] if has_block else None, file, first)
-    for n, line in enumerate(lines[1:], start=first + 1):
-        words = line.split()
-        if not words or words == ["}"]:
-            continue
-        assert d.body is not None
-        d.body.append(Directive(words[0], [Token(t, file, n) for t in words[1:]], None, file, n))
-    return d
+def directive(text: str, file: str = "Corefile", first: int = 2) -> Directive:
+    """The `cache` directive of `text` as the Corefile reader hands it over, its first line at
+    line `first` of `file` (inside a `. {` block on the line before)."""
+    blocks = parse_text("\n" * (first - 2) + ". {\n" + text + "\n}\n", filename=file)
+    return blocks[0].directives[0]
 
 
 def make(text: str, zones: tuple[str, ...] = (".",), state_zones: tuple[str, ...] = ()) -> tuple[Cache, "Clock"]:
@@ -811,11 +803,38 @@ def test_setup_errors_say_file_and_line(text, line, message):
 
 
 def test_setup_error_for_a_nested_block():
-    d = directive("cache {\nsuccess 10\n}")
-    assert d.body is not None
-    d.body[0].body = []
-    with pytest.raises(CorefileError, match=r"^Corefile:2: plugin/cache: success takes no block"):
-        setup(d, SetupContext(zones=["."]))
+    with pytest.raises(CorefileError, match=r"^Corefile:3: plugin/cache: success takes no block"):
+        setup(directive("cache {\nsuccess 10 {\n}\n}"), SetupContext(zones=["."]))
+
+
+REAL = Path(__file__).parent / "real"
+
+
+def real_caches(name: str) -> list[Cache]:
+    out = []
+    for block in load(str(REAL / name), env={}):
+        for d in walk(block.directives):
+            if d.name == "cache":
+                out.append(setup(d, SetupContext(zones=["."], server=SERVER)))
+    return out
+
+
+def test_every_real_corefile_cache_sets_up():
+    found = 0
+    for path in sorted(REAL.glob("*.corefile")):
+        for plugin in real_caches(path.name):
+            assert plugin.describe()
+            found += 1
+    assert found >= 20
+    kubeadm, = real_caches("kubeadm.corefile")
+    o = kubeadm.opts
+    assert (o.pttl, o.nttl, o.pexcept, o.nexcept) == (30, 30, ["cluster.local."], ["cluster.local."])
+    cluster, *others = real_caches("nodelocaldns.corefile")     # the cluster domain's block first
+    o = cluster.opts
+    assert (o.pcap, o.pttl, o.ncap, o.nttl) == (9984, 30, 9984, 5)
+    assert others and all((c.opts.pttl, c.opts.nttl) == (30, 30) for c in others)
+    modes = {(c.opts.stale, c.opts.verify, c.opts.failttl) for c in real_caches("aks-localdns.corefile")}
+    assert modes == {(3600, False, 0), (0, False, 0), (3600, True, 0), (72000, True, 0)}
 
 
 def test_describe_one_line():
