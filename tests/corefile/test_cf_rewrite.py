@@ -63,6 +63,23 @@ def refused(text: str) -> str:
     "rewrite rcode a.b NXDOMAIN NOERROR",
     "rewrite rcode suffix .a.b 3 0",
     "rewrite stop {\n  name regex foo bar\n  answer name bar foo\n}",
+    "rewrite edns0 local set 65518 abcdefg",
+    "rewrite edns0 local set 0xffee abcdefg",
+    "rewrite edns0 local append 0xffee abcdefg",
+    "rewrite edns0 local replace 0xffee abcdefg",
+    "rewrite edns0 nsid set",
+    "rewrite edns0 nsid append",
+    "rewrite edns0 nsid replace",
+    "rewrite stop edns0 local set 0xffee {qname}",
+    "rewrite continue edns0 local append 0xffee {qtype}",
+    "rewrite edns0 local replace 0xffee {client_ip}",
+    "rewrite edns0 local set 0xffee {client_port}",
+    "rewrite edns0 local set 0xffee {protocol}",
+    "rewrite edns0 local set 0xffee {server_ip}",
+    "rewrite edns0 local set 0xffee {server_port}",
+    "rewrite edns0 subnet set 24 56",
+    "rewrite continue edns0 subnet append 24 56",
+    "rewrite stop edns0 subnet replace 24 56",
     "rewrite {\n  name exact a.com b.com\n}",
 ])
 def test_setup_accepts(text):
@@ -102,8 +119,23 @@ def test_setup_accepts(text):
     ("rewrite class XY WV", "invalid class 'XY'"),
     ("rewrite class IN WV", "invalid class 'WV'"),
     ("rewrite unknown-action name a.com b.com", "invalid rule type 'unknown-action'"),
-    ("rewrite edns0 local set 0xffee abcdefg", "edns0 rules are not supported"),
-    ("rewrite continue edns0 nsid set", "edns0 rules are not supported"),
+    ("rewrite edns0", "too few arguments for an EDNS0 rule"),
+    ("rewrite edns0 local", "too few arguments for an EDNS0 rule"),
+    ("rewrite edns0 local set", "EDNS0 local rules require exactly three args"),
+    ("rewrite edns0 local set 0xffee", "EDNS0 local rules require exactly three args"),
+    ("rewrite edns0 local foo 0xffee abcdefg", "invalid action: 'foo'"),
+    ("rewrite edns0 local set 0xffee 0xabcdefg", "invalid hex data '0xabcdefg'"),
+    ("rewrite edns0 local set 0x1ffff abc", "invalid EDNS0 local option code '0x1ffff'"),
+    ("rewrite edns0 nsid set junk", "EDNS0 NSID rules do not accept args"),
+    ("rewrite edns0 nsid foo", "invalid action: 'foo'"),
+    ("rewrite edns0 cookie set", "invalid rule type 'cookie'"),
+    ("rewrite edns0 local set 0xffee {dummy}", "unsupported variable name '{dummy}'"),
+    ("rewrite edns0 local set 0xffee {some-plugin/some-label}", "metadata labels need the metadata plugin"),
+    ("rewrite edns0 subnet set -1 56", "invalid IPv4 bit mask length -1"),
+    ("rewrite edns0 subnet set 24 -56", "invalid IPv6 bit mask length -56"),
+    ("rewrite edns0 subnet set 33 56", "invalid IPv4 bit mask length 33"),
+    ("rewrite edns0 subnet set 24 129", "invalid IPv6 bit mask length 129"),
+    ("rewrite unknown-action edns0 local set 0xffee abcedef", "invalid rule type 'unknown-action'"),
     ("rewrite cname exact a.com. b.com.", "cname rules are not supported"),
     ("rewrite ttl srv1.coredns.rocks 12345678901234567890", "invalid TTL '12345678901234567890'"),
     ("rewrite ttl srv1.coredns.rocks coredns.rocks", "invalid TTL 'coredns.rocks'"),
@@ -329,6 +361,81 @@ async def test_errors_from_next_pass_through_and_the_request_is_restored():
         await p.serve(req, Canned(error=PluginError(SERVFAIL, "upstream timeout")))
     assert info.value.reason == "upstream timeout"
     assert req.record is before and str(req.record.q.qname) == "a.nl."
+
+
+# --- edns0 (rewrite_test.go TestRewriteEDNS0Local, TestEdns0LocalMultiRule, *Variable, *Subnet) ---
+
+def options(record: dnslib.DNSRecord) -> list[tuple[int, bytes]] | None:
+    opt = [rr for rr in record.ar if rr.rtype == 41]
+    return [(o.code, bytes(o.data)) for o in opt[0].rdata] if opt else None
+
+
+@pytest.mark.parametrize("rule, before, after", [
+    ("local set 0xffee 0xabcdef", None, [(0xFFEE, b"\xab\xcd\xef")]),
+    ("local append 0xffee abcdefghijklmnop", None, [(0xFFEE, b"abcdefghijklmnop")]),
+    ("local replace 0xffee abcdefghijklmnop", None, None),        # nothing to replace: the query is as it was
+    ("local replace 0xffee abc", [(0xFFEE, b"old"), (10, b"x")], [(0xFFEE, b"abc"), (10, b"x")]),
+    ("local set 65518 abc", [(0xFFEE, b"old")], [(0xFFEE, b"abc")]),
+    ("nsid set", None, [(3, b"")]),
+    ("nsid append", None, [(3, b"")]),
+    ("nsid replace", None, None),
+    ("nsid set", [(3, b"node-1")], [(3, b"")]),
+    ("local set 0xffee {qname}", None, [(0xFFEE, b"Example.com.")]),
+    ("local set 0xffee {qtype}", None, [(0xFFEE, b"\x00\x01")]),
+    ("local set 0xffee {client_ip}", None, [(0xFFEE, bytes([10, 240, 0, 1]))]),
+    ("local set 0xffee {client_port}", None, [(0xFFEE, bytes([0x9D, 0x14]))]),
+    ("local set 0xffee {protocol}", None, [(0xFFEE, b"udp")]),
+    ("local set 0xffee {server_port}", None, [(0xFFEE, bytes([0x00, 0x35]))]),
+    ("local set 0xffee {server_ip}", None, [(0xFFEE, bytes([127, 0, 0, 1]))]),
+    ("local append 0xffee {qtype}", [(0xFFEE, b"old")], None),        # a variable append over one: ignored
+    ("subnet set 24 56", None, [(8, bytes([0, 1, 24, 0, 10, 240, 0]))]),
+    ("subnet set 32 56", None, [(8, bytes([0, 1, 32, 0, 10, 240, 0, 1]))]),
+    ("subnet set 0 56", None, [(8, bytes([0, 1, 0, 0]))]),
+    ("subnet append 24 56", [(8, bytes([0, 1, 16, 0, 1, 2]))], None),
+    ("subnet replace 24 56", [(8, bytes([0, 1, 16, 0, 1, 2]))], [(8, bytes([0, 1, 24, 0, 10, 240, 0]))]),
+])
+async def test_edns0_rules(rule, before, after):
+    p = plug(f"rewrite edns0 {rule}")
+    req = query("Example.com.", edns=1232 if before is not None else None)
+    if before is not None:
+        req.record.ar[0].rdata = [dnslib.EDNSOption(c, d) for c, d in before]
+    original = options(req.record)
+    last = Canned(answer="@ 5 IN A 10.0.0.1")
+    await p.serve(req, last)
+    assert options(last.asked[0]) == (after if after is not None else before)
+    assert options(req.record) == original        # the request object is left as it came
+    if after is not None and before is None:
+        opt = [rr for rr in last.asked[0].ar if rr.rtype == 41][0]
+        assert (opt.rclass, opt.ttl) == (4096, 0)     # setupEdns0Opt: SetEdns0(4096, false)
+
+
+async def test_edns0_subnet_ipv6_and_kept_flags():
+    p = plug("rewrite edns0 subnet set 24 56")
+    req = query("example.com.", edns=1232, do=True, client=("fe80::42:ff:feca:4c65", 53000))
+    last = Canned()
+    await p.serve(req, last)
+    assert options(last.asked[0]) == [(8, bytes([0, 2, 56, 0, 0xFE, 0x80, 0, 0, 0, 0, 0]))]
+    opt = [rr for rr in last.asked[0].ar if rr.rtype == 41][0]
+    assert (opt.rclass, opt.ttl) == (1232, 0x8000)       # the client's size and DO bit kept
+    p = plug("rewrite edns0 subnet set 24 128")
+    await p.serve(query("example.com.", client=("fe80::42:ff:feca:4c65", 1)), last)
+    assert options(last.asked[1]) == [(8, bytes([0, 2, 128, 0]) + bytes.fromhex("fe80000000000000004200fffeca4c65"))]
+
+
+async def test_edns0_multi_rule():
+    # TestEdns0LocalMultiRule: replace (ignored without the option), then set
+    plugins = [plug("rewrite edns0 local replace 0xffee abcdef"), plug("rewrite edns0 local set 0xffee fedcba")]
+    last = Canned()
+    await chain(plugins, last)(query("example.com."))
+    assert options(last.asked[0]) == [(0xFFEE, b"fedcba")]
+    req = query("example.com.", edns=4096, do=True)
+    req.record.ar[0].rdata = [dnslib.EDNSOption(0xFFEE, b"foobar")]
+    await chain(plugins, last)(req)
+    assert options(last.asked[1]) == [(0xFFEE, b"abcdef")]
+
+
+def test_edns0_is_never_transparent():
+    assert not plug("rewrite edns0 nsid set").transparent("web.default.svc.cluster.local.", 1)
 
 
 # --- ttl and rcode ----------------------------------------------------------------------------------

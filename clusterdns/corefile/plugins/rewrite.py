@@ -4,6 +4,7 @@
     rewrite [continue|stop] type FROM TO | class FROM TO
     rewrite [continue|stop] ttl [exact|prefix|suffix|substring|regex] NAME TTL|MIN-MAX|MIN-|-MAX
     rewrite [continue|stop] rcode [exact|prefix|suffix|substring|regex] NAME FROM TO
+    rewrite [continue|stop] edns0 local|nsid|subnet set|replace|append [CODE DATA | V4BITS V6BITS]
     rewrite [continue|stop] { LINES }      (the lines are read as one rule, as CoreDNS joins them)
 
 Semantics are coredns/coredns plugin/rewrite's: names are matched lower-cased and fully
@@ -11,10 +12,13 @@ qualified (FROM and TO of exact/prefix/suffix/substring get a trailing dot, so t
 not labels: `suffix a.com b.com` also turns `xa.com.` into `xb.com.`); a regex TO takes `{N}`
 groups; the first matching `stop` rule ends the list, `continue` rules go on. `exact` rules
 always map the answer back; `answer auto` does it for the other kinds. The reply's question is
-the client's again, whatever was rewritten. `edns0` and `cname` rules are refused at setup.
+the client's again, whatever was rewritten. `edns0` sets, replaces or appends a `local`
+(CODE and DATA, or one of the request variables), `nsid` or `subnet` option of the query (no
+metadata labels: clusterdns has no metadata plugin). `cname` rules are refused at setup.
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
@@ -150,6 +154,16 @@ class _State:
     name: str       # the question name now, lower-case FQDN
     qtype: int
     qclass: int
+    req: Request | None = None
+    # the query's EDNS0 options as edns0 rules leave them (None: not read yet / no change)
+    edns: list[tuple[int, bytes]] | None = None
+
+    def options(self) -> list[tuple[int, bytes]]:
+        """setupEdns0Opt: the options to change (an OPT is added when the query had none)."""
+        if self.edns is None:
+            opt = _opt(self.req.record) if self.req is not None else None
+            self.edns = [(o.code, bytes(o.data)) for o in opt.rdata] if opt is not None else []
+        return self.edns
 
 
 @dataclass
@@ -334,8 +348,10 @@ def new_rule(toks: list[Token]) -> Rule:
         return _ttl_rule(mode, rest, rest_toks, kind_tok)
     if rtype == "rcode":
         return _rcode_rule(mode, rest, rest_toks, kind_tok)
-    if rtype in ("edns0", "cname"):
-        raise _RuleError(f"{rtype} rules are not supported by clusterdns", kind_tok)
+    if rtype == "edns0":
+        return _edns0_rule(mode, rest, rest_toks, kind_tok)
+    if rtype == "cname":
+        raise _RuleError("cname rules are not supported by clusterdns", kind_tok)
     raise _RuleError(f"invalid rule type {args[0]!r}", toks[0])
 
 
@@ -456,6 +472,159 @@ def _rcode_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rul
     return ReplyRule(mode, "rcode", match, RcodeResp(old, new), f"{old_s} {new_s}")
 
 
+# --- EDNS0 (edns0.go) ------------------------------------------------------------------------
+
+EDNS_ACTIONS = ("replace", "set", "append")
+NSID, SUBNET = 3, 8
+VARIABLES = ("{qname}", "{qtype}", "{client_ip}", "{client_port}", "{protocol}", "{server_ip}", "{server_port}")
+
+
+@dataclass
+class Edns0Rule(Rule):
+    """local CODE DATA|{variable}, nsid, subnet V4BITS V6BITS: set/replace/append one option."""
+    kind: str           # local, nsid, subnet
+    action: str
+    code: int
+    data: bytes = b""
+    variable: str = ""
+    bits: tuple[int, int] = (0, 0)
+    text: str = ""
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        if self.kind == "subnet":
+            data = _subnet(st, *self.bits)
+        elif self.variable:
+            data = _variable(st, self.variable)
+        else:
+            data = self.data
+        if data is None:
+            return None
+        opts = st.options()
+        for i, (code, _) in enumerate(opts):
+            if code == self.code:
+                if self.action in ("replace", "set"):
+                    opts[i] = (code, data)
+                    return []
+                if self.variable or self.kind == "subnet":
+                    return None   # an append over an existing option: ignored (edns0.go)
+        if self.action in ("append", "set"):
+            opts.append((self.code, data))
+            return []
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.mode} edns0 {self.text}"
+
+
+def _edns0_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rule:
+    if len(args) < 2:
+        raise _RuleError("too few arguments for an EDNS0 rule", at)
+    kind, action = args[0].lower(), args[1].lower()
+    if action not in EDNS_ACTIONS:
+        raise _RuleError(f"invalid action: {action!r}", toks[1])
+    text = " ".join(args)
+    if kind == "nsid":
+        if len(args) != 2:
+            raise _RuleError("EDNS0 NSID rules do not accept args", toks[2])
+        return Edns0Rule(mode, kind, action, NSID, text=text)
+    if kind not in ("local", "subnet"):
+        raise _RuleError(f"invalid rule type {kind!r}", toks[0])
+    if len(args) != 4:
+        raise _RuleError(f"EDNS0 {kind} rules require exactly three args", toks[0])
+    if kind == "subnet":
+        v4, v6 = _uint(args[2], 0xFFFF), _uint(args[3], 0xFFFF)
+        if v4 is None or v4 > 32:
+            raise _RuleError(f"invalid IPv4 bit mask length {args[2]}", toks[2])
+        if v6 is None or v6 > 128:
+            raise _RuleError(f"invalid IPv6 bit mask length {args[3]}", toks[3])
+        return Edns0Rule(mode, kind, action, SUBNET, bits=(v4, v6), text=text)
+    code = _uint(args[2], 0xFFFF)
+    if code is None:
+        raise _RuleError(f"invalid EDNS0 local option code {args[2]!r}", toks[2])
+    data = args[3]
+    if data.startswith("{") and data.endswith("}"):
+        if data not in VARIABLES:
+            raise _RuleError(f"unsupported variable name {data!r} (metadata labels need the metadata "
+                             "plugin, which clusterdns does not have)", toks[3])
+        return Edns0Rule(mode, kind, action, code, variable=data, text=text)
+    if data.startswith("0x"):
+        try:
+            raw = bytes.fromhex(data[2:])
+        except ValueError:
+            raise _RuleError(f"invalid hex data {data!r}", toks[3]) from None
+    else:
+        raw = data.encode()
+    return Edns0Rule(mode, kind, action, code, data=raw, text=text)
+
+
+def _uint(text: str, top: int) -> int | None:
+    """strconv.ParseUint(text, 0, ...): decimal, 0x, 0o, 0b."""
+    try:
+        v = int(text, 0)
+    except ValueError:
+        return None
+    return v if 0 <= v <= top else None
+
+
+def _ip_wire(ip: str) -> bytes | None:
+    try:
+        return ipaddress.ip_address(ip.split("%")[0]).packed
+    except ValueError:
+        return None
+
+
+def _local(req: Request) -> tuple[str, int]:
+    hostport = req.server.removeprefix("dns://")
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+def _variable(st: _State, name: str) -> bytes | None:
+    req = st.req
+    if req is None:
+        return None
+    if name == "{qname}":
+        return (st.name if st.name != req.qname else req.name).encode()
+    if name == "{qtype}":
+        return st.qtype.to_bytes(2, "big")
+    if name == "{client_ip}":
+        return _ip_wire(req.client[0])
+    if name == "{client_port}":
+        return req.client[1].to_bytes(2, "big")
+    if name == "{protocol}":
+        return b"tcp" if req.tcp else b"udp"
+    host, port = _local(req)
+    if name == "{server_ip}":
+        return _ip_wire(host)
+    return port.to_bytes(2, "big")
+
+
+def _subnet(st: _State, v4: int, v6: int) -> bytes | None:
+    """An ECS option of the client's address masked to V4/V6 bits (miekg packs only the prefix's bytes)."""
+    if st.req is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(st.req.client[0].split("%")[0])
+    except ValueError:
+        return None
+    bits, family = (v4, 1) if ip.version == 4 else (v6, 2)
+    net = ipaddress.ip_network(f"{ip}/{bits}", strict=False)
+    addr = net.network_address.packed[:(bits + 7) // 8]
+    return family.to_bytes(2, "big") + bytes((bits, 0)) + addr
+
+
+def _opt(record: dnslib.DNSRecord) -> dnslib.RR | None:
+    return next((rr for rr in record.ar if rr.rtype == OPT), None)
+
+
+def _with_options(record: dnslib.DNSRecord, options: list[tuple[int, bytes]]) -> list[dnslib.RR]:
+    """The additional section with our OPT: the query's size and flags (4096, none when it had no OPT)."""
+    old = _opt(record)
+    opt = dnslib.RR(".", OPT, rclass=old.rclass if old is not None else 4096, ttl=old.ttl if old is not None else 0,
+                    rdata=[dnslib.EDNSOption(code, data) for code, data in options])
+    return [rr for rr in record.ar if rr.rtype != OPT] + [opt]
+
+
 # --- names on the wire ------------------------------------------------------------------------
 
 def _valid_name(name: str) -> bool:
@@ -516,7 +685,7 @@ class Rewrite(Plugin):
         if req.data.get(_STOPPED):      # CoreDNS's one rule list: a stop rule ended it
             return await next(req)
         q = req.record.q
-        st = _State(req.qname, q.qtype, q.qclass)
+        st = _State(req.qname, q.qtype, q.qclass, req)
         matched, stopped, resp = False, False, []
         for rule in self.rules:
             got = rule.apply(st)
@@ -537,6 +706,8 @@ class Rewrite(Plugin):
         asked = _shallow(original)
         asked.header = _shallow(original.header)
         asked.questions = [dnslib.DNSQuestion(st.name, st.qtype, st.qclass), *original.questions[1:]]
+        if st.edns is not None:
+            asked.ar = _with_options(original, st.edns)
         req.record = asked
         req.wire = b""      # the bytes received are not this question any more (Request's default: none)
         try:
