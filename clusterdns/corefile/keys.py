@@ -213,3 +213,13 @@ def listen_groups(blocks_keys: Iterable[Sequence]) -> dict[str, list[tuple[int, 
             for addr in dict.fromkeys(listen_address(k.scheme, h, k.port) for h in addresses or [""]):
                 groups.setdefault(addr, []).append((i, k))
     return groups
+
+
+def inspect_blocks(blocks: Sequence[ServerBlock], default_port: int = 53) -> list[list[Key]]:
+    """Every block's keys (parse_keys), checked for zones served twice as CoreDNS does at
+    startup, with the blocks' `bind` arguments as written and a `view` marking a filtered
+    block. A caller that resolves interface names should call check_duplicates itself."""
+    all_keys = [parse_keys(b, default_port) for b in blocks]
+    check_duplicates([(ks, bind_addresses(b), any(d.name == "view" for d in b.directives))
+                      for ks, b in zip(all_keys, blocks)])
+    return all_keys

@@ -14,6 +14,7 @@ from clusterdns.corefile.keys import (
     Key,
     bind_addresses,
     check_duplicates,
+    inspect_blocks,
     listen_address,
     listen_groups,
     parse_key,
@@ -689,6 +690,21 @@ def test_same_zone_twice_in_one_block():
     # one address written twice (or spelled two ways) is one listener, not a clash
     assert overlap([(za("."), ["127.0.0.1", "127.0.0.1"])]) is None
     assert list(listen_groups([(za("."), ["::1", "0::1"])])) == ["dns://[::1]:53"]
+
+
+def test_inspect_blocks():
+    blocks = P("example.org:1053 10.0.0.0/15 {\n}\n.:53 {\n  view a {\n    expr x\n  }\n}\n.:53 {\n}", filename="CF")
+    assert [[k.address for k in ks] for ks in inspect_blocks(blocks)] == [
+        ["dns://example.org.:1053", "dns://0.10.in-addr.arpa.:53", "dns://1.10.in-addr.arpa.:53"],
+        ["dns://.:53"], ["dns://.:53"]]
+    assert [k.port for k in inspect_blocks(blocks[:1], default_port=5353)[0]] == [1053, 5353, 5353]
+    with pytest.raises(CorefileError) as e:
+        inspect_blocks(P(".:53 {\n}\n.:53 {\n  view a\n}", filename="CF"))
+    assert str(e.value) == "CF:3: cannot serve dns://.:53 - it is already defined"
+    with pytest.raises(CorefileError) as e:
+        inspect_blocks(P(".:53 {\n  bind 127.0.0.1\n}\n.:53 {\n}", filename="CF"))
+    assert str(e.value) == ("CF:4: cannot serve dns://.:53 - zone overlap listener capacity with "
+                            "dns://.:53 on 127.0.0.1")
 
 
 def test_overlapping_reverse_expansions_collide():
