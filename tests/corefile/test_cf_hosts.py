@@ -15,7 +15,7 @@ from clusterdns.corefile.plugin import PluginError, Request, SetupContext
 from clusterdns.corefile.plugins import hosts as hostsmod
 from clusterdns.corefile.plugins.hosts import setup
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfsnippet import directive
+from tests.corefile.cfplugkit import directive
 
 MARK = "next-was-called"
 
