@@ -49,6 +49,7 @@ class Listener:
     kinds: list[str] = field(default_factory=list)   # "health", "metrics", "proxy-metrics"
     optional: bool = False    # a bind failure is retried, not raised
     proxy_mode: str = ""      # served at /proxyMode, as kube-proxy's metrics server does
+    ready: bool = False       # /ready alone (a Corefile's `ready` on its own address)
 
     @property
     def shown(self) -> str:
@@ -71,6 +72,10 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
     if h is not None:
         h.health = True
         h.kinds.append("health")
+    r = at(cfg.agent.ready_listen) if cfg.agent.ready_listen else None
+    if r is not None and not r.health:
+        r.ready = True
+        r.kinds.append("ready")
     proxy = at(cfg.agent.proxy_metrics_listen) if "proxy" in roles else None
     dns = at(cfg.agent.metrics_listen) if "dns" in roles else None
     if dns is not None:
@@ -114,6 +119,9 @@ class HealthServer:
     def add_ready_check(self, name: str, check: Callable[[], bool]) -> None:
         self._checks[name] = check
 
+    def replace_check(self, name: str, check: Callable[[], bool]) -> None:
+        self._checks[name] = check
+
     def add_route(self, path: str, handler: Handler) -> None:
         """Serve one more GET path on the health listener (before start())."""
         if self._started:
@@ -155,6 +163,8 @@ class HealthServer:
         if listener.health:
             for path, handler in self._routes.items():
                 app.router.add_get(path, handler)
+        elif listener.ready:
+            app.router.add_get("/ready", self._ready)
         if listener.registries:
             app.router.add_get("/metrics", self._metrics_handler(listener.registries))
         if listener.proxy_mode:

@@ -229,8 +229,9 @@ class _UdpReceiver:
     FLUSH_WAIT = 1.0    # seconds a scrape waits for the thread to hand its counts over
 
     def __init__(self, service: "DnsService", stats: _Stats, sock: socket.socket,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, engine=None) -> None:
         self.service, self.stats, self.sock, self.loop = service, stats, sock, loop
+        self.engine = engine if engine is not None else service.engine   # what answers this socket
         host, port = sock.getsockname()[:2]
         wake_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         self.wake_addr = (wake_host, port)
@@ -263,7 +264,7 @@ class _UdpReceiver:
         kernel gave this socket would otherwise be lost with it. Counted, and a failure
         answered SERVFAIL, as the receive loops do (runs on the loop, before the listener's
         stats are retired)."""
-        sock, fast, stats = self.sock, self.service.engine.fast, self.stats
+        sock, fast, stats = self.sock, self.engine.fast, self.stats
         try:
             sock.setblocking(False)
             for _ in range(4096):
@@ -332,7 +333,7 @@ class _UdpReceiver:
             self._run_batched(io)
 
     def _run(self) -> None:
-        sock, fast, service, local = self.sock, self.service.engine.fast, self.service, self.local
+        sock, fast, service, local = self.sock, self.engine.fast, self.service, self.local
         lock = service.engine_lock
         recvfrom, sendto, count = sock.recvfrom, sock.sendto, local.fast_udp
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
@@ -375,7 +376,7 @@ class _UdpReceiver:
         """_run with recvmmsg/sendmmsg: every datagram waiting (up to _Mmsg.N) in one call,
         the replies in one call (the kernel's per-call cost shared; ~15% more queries per
         CPU-second under dnsperf than one recvfrom/sendto each)."""
-        fast, service, local = self.service.engine.fast, self.service, self.local
+        fast, service, local = self.engine.fast, self.service, self.local
         lock = service.engine_lock
         count = local.fast_udp
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
@@ -576,11 +577,17 @@ class DnsService:
     """
 
     def __init__(self, cfg: Config, store: StateStore, *, forwarder=None, engine=None,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, corefile=None) -> None:
         self.cfg = cfg
         self.reuse_port = reuse_port
         self.store = store
-        self.forwarder = forwarder if forwarder is not None else Forward.from_config(cfg)
+        # a Corefile (clusterdns/corefile/build.py): its listeners, each with its server blocks,
+        # answer instead of the one engine the flags describe
+        self.corefile = corefile
+        if corefile is not None:
+            self.forwarder, engine = None, corefile
+        else:
+            self.forwarder = forwarder if forwarder is not None else Forward.from_config(cfg)
         if engine is None:
             from .engine import Engine  # the answer engine (zone view, wire building)
             engine = Engine(cfg, self.forwarder, server_addresses=self.server_addresses)
@@ -651,7 +658,7 @@ class DnsService:
 
     async def _udp_resolve(self, receiver: _UdpReceiver, data: bytes, addr, started: float) -> None:
         metrics.begin_resolve()
-        reply = await self.resolve(data, addr[0], False)
+        reply = await self.resolve(data, addr[0], False, receiver.engine, addr[1])
         if isinstance(reply, list):      # a transfer is TCP only; the engine refuses it on UDP
             reply = reply[0] if reply else None
         if reply is not None and not receiver.stopping:
@@ -661,9 +668,13 @@ class DnsService:
                 reply = None
         receiver.stats.record(data, reply, False, started)
 
-    async def resolve(self, data: bytes, client_ip: str, tcp: bool) -> bytes | list[bytes] | None:
+    async def resolve(self, data: bytes, client_ip: str, tcp: bool, engine=None,
+                      client_port: int = 0) -> bytes | list[bytes] | None:
+        engine = engine if engine is not None else self.engine
         try:
-            return await _Locked(self.engine.resolve(data, client_ip, tcp), self.engine_lock)
+            if self.corefile is not None:
+                return await _Locked(engine.resolve(data, client_ip, tcp, client_port), self.engine_lock)
+            return await _Locked(engine.resolve(data, client_ip, tcp), self.engine_lock)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -671,7 +682,9 @@ class DnsService:
 
     # -- TCP -----------------------------------------------------------
 
-    def _tcp_handler(self, stats: metrics.ServerStats) -> Callable:
+    def _tcp_handler(self, stats: metrics.ServerStats, engine=None) -> Callable:
+        engine = engine if engine is not None else self.engine
+
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             conns = self._tcp_conns
             if len(conns) >= self.cfg.dns.tcp_max_connections and not self._evict_idle():
@@ -682,7 +695,7 @@ class DnsService:
             conn = _TcpConn(writer)
             conns[writer] = conn
             try:
-                await self._tcp_session(reader, writer, stats, conn)
+                await self._tcp_session(reader, writer, stats, conn, engine)
             except (ConnectionError, OSError):
                 pass
             except Exception:
@@ -728,10 +741,11 @@ class DnsService:
             log.info(msg, *args, n)
 
     async def _tcp_session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           stats: metrics.ServerStats, conn: "_TcpConn") -> None:
+                           stats: metrics.ServerStats, conn: "_TcpConn", engine=None) -> None:
         peer = writer.get_extra_info("peername") or ("", 0)
         client_ip = peer[0]
-        fast, elock = self.engine.fast, self.engine_lock
+        engine = engine if engine is not None else self.engine
+        fast, elock = engine.fast, self.engine_lock
         pending: set[asyncio.Future] = set()
         lock = asyncio.Lock()   # keeps each framed reply contiguous on the stream
         transport = writer.transport
@@ -763,7 +777,7 @@ class DnsService:
             conn.inflight += 1
             try:
                 metrics.begin_resolve()
-                reply = await self.resolve(data, client_ip, True)
+                reply = await self.resolve(data, client_ip, True, engine, peer[1])
                 replies = reply if isinstance(reply, list) else ([] if reply is None else [reply])
                 if replies and not writer.is_closing():
                     try:
@@ -812,7 +826,7 @@ class DnsService:
         """Bind every listen address (UDP and TCP); raises OSError naming the address that failed."""
         loop = asyncio.get_running_loop()
         try:
-            for host, port in self.cfg.listen_addresses():
+            for host, port, engine in self._plan():
                 workers = max(1, self.cfg.dns.workers)
                 udp, tcp = _bind(host, port, self.reuse_port, udp_reuse_port=workers > 1)
                 real = udp.getsockname()[1]
@@ -823,21 +837,25 @@ class DnsService:
                     for x in socks + [tcp]:
                         x.close()
                     raise
-                stats = _Stats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1,
-                               metrics.plugins_for(self.cfg, self.forwarder))
+                plugins = (self.corefile.plugin_names() if self.corefile is not None
+                           else metrics.plugins_for(self.cfg, self.forwarder))
+                stats = _Stats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1, plugins)
                 metrics.register_server(stats)
                 self._stats.append(stats)
                 for sock in socks:
-                    receiver = _UdpReceiver(self, stats, sock, loop)
+                    receiver = _UdpReceiver(self, stats, sock, loop, engine)
                     stats.receivers.append(receiver)
                     self._receivers.append(receiver)
                     receiver.start()
-                server = await asyncio.start_server(self._tcp_handler(stats), sock=tcp, limit=70000)
+                server = await asyncio.start_server(self._tcp_handler(stats, engine), sock=tcp, limit=70000)
                 self._servers.append(server)
                 self.bound.append((host, real))
         except BaseException:
             await self.stop()
             raise
+        if self.corefile is not None:
+            await self.corefile.start()
+            self._probe_loops()
         sweep = asyncio.ensure_future(self._tcp_sweep())
         self.tasks.add(sweep)
         sweep.add_done_callback(self.tasks.discard)
@@ -845,6 +863,26 @@ class DnsService:
             task = asyncio.ensure_future(self._detect_loops())
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+
+    def _probe_loops(self) -> None:
+        """Each block's loop plugin asks the block's first listener its probe name."""
+        for block in self.corefile.blocks:
+            for p in block.plugins:
+                if p.name != "loop":
+                    continue
+                for (host, port), li in self.corefile.listeners.items():
+                    if block in li.blocks.values():
+                        real = dict(self.bound).get(host, port)
+                        task = asyncio.ensure_future(p.send_probe(host, real))
+                        self.tasks.add(task)
+                        task.add_done_callback(self.tasks.discard)
+                        break
+
+    def _plan(self) -> list[tuple[str, int, Any]]:
+        """(host, port, engine) of every listener: the Corefile's, else the flags' addresses."""
+        if self.corefile is not None:
+            return [(h, p, li) for (h, p), li in self.corefile.listeners.items()]
+        return [(h, p, self.engine) for h, p in self.cfg.listen_addresses()]
 
     async def _detect_loops(self) -> None:
         try:
@@ -878,10 +916,16 @@ class DnsService:
         self._servers.clear()
         if self.forwarder is not None and hasattr(self.forwarder, "close"):
             await self.forwarder.close()
+        if self.corefile is not None:
+            await self.corefile.stop()
 
 
 def banner(service: DnsService) -> str:
     addrs = " ".join(_show(h, p) for h, p in service.bound)
+    if service.corefile is not None:
+        zones = sorted({z for b in service.corefile.blocks for z in b.zones})
+        return (f"clusterdns dns {os.getpid()}: serving {service.corefile.path} ({len(service.corefile.blocks)} "
+                f"server block(s): {' '.join(zones)}) on {addrs} (UDP+TCP)")
     up = getattr(service.forwarder, "upstreams", None)
     if service.forwarder is None:
         ups = "none (--no-upstream: REFUSED)"
