@@ -18,9 +18,10 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from . import handover
-from .config import Config, ConfigError, load
+from .config import Config, load
 from .dns.metrics import plugins_for
 from .dnsview import DNS_PROGRAMMING, DnsView, needs_rules
+from .errors import InputError
 from .health import HealthServer, plan
 from .localdns import LocalDNS, LocalDNSError
 from .localdns import cleanup as localdns_cleanup
@@ -100,6 +101,10 @@ class Agent:
 
     def __init__(self, cfg, *, argv: list[str] | None = None, executor=None, forwarder=None,
                  localdns_runner=None) -> None:
+        self.corefile = None
+        if cfg.dns.corefile:
+            from .corefile.build import prepare  # CorefileError: exit 2 with FILE:LINE
+            self.corefile, cfg = prepare(cfg, os.environ.get("KUBE_DNS_SERVICE_HOST"))
         self.cfg = cfg
         self.argv = argv
         self.executor = executor
@@ -190,7 +195,7 @@ class Agent:
         address that cannot be bound raises and leaves the running server as it was."""
         from .dns.server import DnsService
         kwargs = {} if self.forwarder is None else {"forwarder": self.forwarder}
-        new = DnsService(self.cfg, self.view, reuse_port=True, **kwargs)
+        new = DnsService(self.cfg, self.view, reuse_port=True, corefile=self.corefile, **kwargs)
         try:
             await new.start()
         except BaseException:
@@ -349,6 +354,20 @@ class Agent:
         await self._replace_dns()
         if self.cfg.agent.config_file:
             self._spawn("config-watch", self._watch_config())
+        if self.corefile is not None and self.corefile.reload is not None:
+            from .corefile.reloader import Reloader
+            self._spawn("corefile-reload", Reloader(self.cfg, self.corefile, self._serve_corefile,
+                                                    os.environ.get("KUBE_DNS_SERVICE_HOST")).run())
+
+    async def _serve_corefile(self, corefile) -> None:
+        """The reload plugin found a changed Corefile: serve it (new listeners bound first)."""
+        old = self.corefile
+        self.corefile = corefile
+        try:
+            await self._replace_dns()
+        except BaseException:
+            self.corefile = old
+            raise
 
     def banner(self) -> str:
         from .dns.server import banner
@@ -453,13 +472,22 @@ class Agent:
             return False
         try:
             new = load(self.argv)
-        except ConfigError as exc:
+            corefile = self.corefile
+            if new.dns.corefile:
+                from .corefile.build import prepare
+                corefile, new = prepare(new, os.environ.get("KUBE_DNS_SERVICE_HOST"))
+        except InputError as exc:
             self.reload_errors += 1
             RELOADS.labels("failed").inc()
             log.error("reload failed, keeping the running configuration: %s", exc)
             return False
         changed = changed_options(self.cfg, new)
         restart = restarts(self.cfg, new)
+        if (corefile is None) != (self.corefile is None) or (
+                corefile is not None and corefile.digest != self.corefile.digest):   # type: ignore[union-attr]
+            restart.add("dns")
+            changed.add("corefile")
+        self.corefile = corefile
         old, self.cfg = self.cfg, new
         if new.agent.log_level != old.agent.log_level:
             logging.getLogger().setLevel(new.agent.log_level.upper())

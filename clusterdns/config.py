@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-COMMANDS = ("agent", "dns", "proxy", "rules", "trace", "corefile")
+COMMANDS = ("agent", "dns", "proxy", "rules", "trace", "corefile", "config")
 PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
 POD_MODES = ("disabled", "insecure", "verified")
 CONFIG_KIND = "ClusterDNSConfiguration"
@@ -70,6 +70,8 @@ class DnsConfig:
     tcp_max_connections: int = 1024        # open DNS TCP connections; beyond, the oldest idle is closed
     memo_size: int = 100_000               # prebuilt answers of names asked again, per state version
     memo_probation: int = 20_000           # prebuilt answers of names asked once so far
+    corefile: str = ""                     # a CoreDNS / node-local-dns Corefile: what DNS serves, and where
+    corefile_flags: tuple[str, ...] = ()   # the DNS flags given beside --corefile (checked against it)
 
     @property
     def cluster_domain(self) -> str:
@@ -111,6 +113,7 @@ class AgentConfig:
     metrics_listen: str = "127.0.0.1:9153"
     proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
     health_listen: str = "127.0.0.1:8080"
+    ready_listen: str = ""                 # /ready on its own address (a Corefile's `ready`); "": with health
     config_file: str = ""
     loop: str = "auto"
     log_level: str = "info"
@@ -127,6 +130,7 @@ class RunConfig:
     json: bool = False
     from_kube_dns: str = ""                # corefile: the kube-dns ConfigMap to translate
     cluster_domain: str = "cluster.local"  # corefile: the domain its Corefile serves
+    action: str = ""                       # config: what to do (check)
 
 
 SECTIONS: dict[str, type] = {"source": SourceConfig, "dns": DnsConfig, "proxy": ProxyConfig,
@@ -217,6 +221,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--config", dest="config_file", metavar="FILE", default=S, help="YAML file with the same keys as the flags")
     a("--manifest", action="append", metavar="PATH", default=S, help="read state from this file (repeatable)")
+    a("--corefile", metavar="FILE", default=S,
+      help="serve DNS as this CoreDNS (or node-local-dns) Corefile says (agent, dns)")
     a("--manifest-max-bytes", type=int, metavar="BYTES", default=S,
       help="refuse a manifest file bigger than this (default 256 MiB)")
     a("--manifest-max-objects", type=int, metavar="N", default=S,
@@ -300,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rules": "print the rules the proxier would apply, and exit",
         "trace": "follow one name through DNS and the rules",
         "corefile": "print the Corefile a kube-dns ConfigMap translates to, and exit",
+        "config": "check a configuration (--corefile) and print what it makes effective",
     }
     for name in COMMANDS:
         p = sub.add_parser(name, help=helps[name], description=helps[name])
@@ -315,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="remove everything clusterdns installed, and exit")
         if name == "rules":
             p.add_argument("--mode", choices=PROXY_MODES[:3], default=argparse.SUPPRESS)
+        if name == "config":
+            p.add_argument("action", choices=("check",), metavar="check")
         if name == "trace":
             p.add_argument("name", metavar="NAME")
             p.add_argument("--from-pod", metavar="NS/POD", default=argparse.SUPPRESS)
@@ -426,6 +435,24 @@ def _validate(cfg: Config) -> Config:
     return cfg.with_options(zones=zones, fallthrough=fall)
 
 
+# With --corefile, the Corefile says what these flags would: giving one is an error.
+COREFILE_SAYS = {"listen": "bind and the server block keys", "upstream": "forward", "no_upstream": "forward",
+                 "cache_size": "cache", "metrics_listen": "prometheus", "health_listen": "health",
+                 "lameduck": "health { lameduck }", "transfer": "transfer", "autopath": "autopath"}
+# ... and these, unless it has no kubernetes plugin (a node-local-dns Corefile: they then
+# describe the cluster DNS it forwards to, answered in this process).
+KUBERNETES_FLAGS = ("zones", "ttl", "pods", "fallthrough", "namespaces", "namespace_labels",
+                    "endpoint_pod_names", "noendpoints", "ignore_empty_service")
+
+
+def _corefile_flags(values: dict[str, Any]) -> tuple[str, ...]:
+    for name, says in COREFILE_SAYS.items():
+        if name in values:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}: with --corefile the Corefile says this ({says}); remove the flag")
+    return tuple(n for n in KUBERNETES_FLAGS if n in values)
+
+
 def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Parse argv into a validated Config; raises ConfigError (SystemExit for --help)."""
     if env is None:
@@ -449,6 +476,8 @@ def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     if command == "trace" and "resolv_conf" in flags:
         flags["trace_resolv_conf"] = flags.pop("resolv_conf")
     values.update(flags)
+    if values.get("corefile"):
+        values["corefile_flags"] = _corefile_flags(values)
     if "fallthrough" in values and values["fallthrough"] is not None:
         values["fallthrough"] = tuple(values["fallthrough"])
     try:

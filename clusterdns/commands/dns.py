@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 
 from ..config import Config
@@ -23,10 +24,15 @@ log = logging.getLogger("clusterdns.dns")
 async def serve(cfg: Config) -> int:
     from ..dns.server import DnsService, banner
 
+    corefile = None
+    if cfg.dns.corefile:
+        from ..corefile.build import prepare
+        corefile, cfg = prepare(cfg, os.environ.get("KUBE_DNS_SERVICE_HOST"))   # CorefileError -> exit 2
     store = StateStore()
     with gc_paused():
         source = loader.make_source(cfg, store)    # ManifestError -> exit 2
-        service = DnsService(cfg, store)
+        service = DnsService(cfg, store, corefile=corefile,
+                             reuse_port=corefile is not None and corefile.reload is not None)
         # The state and zone view just built live long: frozen, no collection walks them
         # (once collections resume, the first would scan all that was made while they were
         # paused, ~0.1 s at 10,000 Services for each step of the start, and find nothing).
@@ -56,6 +62,26 @@ async def serve(cfg: Config) -> int:
         if health.bound_kinds.get(kind):
             log.info("%s on %s", label, ", ".join(f"{h}:{p}" for h, p in health.bound_kinds[kind]))
 
+    reloader = None
+    if corefile is not None and corefile.reload is not None:
+        from ..corefile.reloader import Reloader
+        holder = {"service": service}
+
+        async def swap(new_corefile) -> None:
+            # the new listeners bind beside the old (SO_REUSEPORT) before the old close
+            new = DnsService(cfg, store, corefile=new_corefile, reuse_port=True)
+            try:
+                await new.start()
+            except BaseException:
+                new.detach()
+                raise
+            old = holder["service"]
+            holder["service"] = new
+            health.replace_check("dns", lambda: new.synced)
+            await old.stop()
+            old.detach()
+        reloader = Reloader(cfg, corefile, swap, os.environ.get("KUBE_DNS_SERVICE_HOST"))
+        reload_task = asyncio.ensure_future(reloader.run())
     source_task = asyncio.ensure_future(source.run())
     waiter = asyncio.ensure_future(stopping.wait())
     await asyncio.wait([waiter, source_task], return_when=asyncio.FIRST_COMPLETED)
@@ -73,6 +99,10 @@ async def serve(cfg: Config) -> int:
     waiter.cancel()
     source_task.cancel()
     await asyncio.gather(source_task, return_exceptions=True)
+    if reloader is not None:
+        reload_task.cancel()
+        await asyncio.gather(reload_task, return_exceptions=True)
+        service = holder["service"]
     await service.stop()
     await health.stop()
     return code

@@ -37,6 +37,12 @@ def rank(name: str) -> int:
     return ORDER.index(name)
 
 
+def available(name: str) -> bool:
+    """Is the plugin's module here (plugins land one by one)?"""
+    import importlib.util
+    return name in SUPPORTED and importlib.util.find_spec(f"clusterdns.corefile.plugins.{SUPPORTED[name]}") is not None
+
+
 def setup_for(name: str) -> Setup:
     module = importlib.import_module(f"clusterdns.corefile.plugins.{SUPPORTED[name]}")
     return module.setup   # type: ignore[no-any-return]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import InputError
 
-class CorefileError(Exception):
+
+class CorefileError(InputError):
     """A Corefile that cannot be used: the message starts with FILE:LINE."""
 
     def __init__(self, where: "Token | Directive | str", message: str) -> None:

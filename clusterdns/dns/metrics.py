@@ -474,3 +474,6 @@ nodecache_setup_errors = Counter("coredns_nodecache_setup_errors",
                                  ["errortype"], registry=REGISTRY)
 for _t in SETUP_ERROR_TYPES:
     nodecache_setup_errors.labels(_t)
+
+# The Corefile's reload plugin (CoreDNS's names).
+reload_failed = Counter("coredns_reload_failed", "Counter of the number of failed reload attempts.", registry=REGISTRY)
