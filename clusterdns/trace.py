@@ -116,6 +116,36 @@ class WireAsker:
         return reply
 
 
+class CorefileAsker:
+    """Asks the server blocks of a Corefile in-process, noting for each question the block
+    and the plugin that answered."""
+
+    def __init__(self, corefile: Any, listener: Any, client_ip: str) -> None:
+        self.corefile, self.listener, self.client_ip = corefile, listener, client_ip
+        self.description = f"Corefile {corefile.path} (in-process, listener {listener.server})"
+        self.seen: dict[str, dict] = {}
+
+    def route(self, qname: str) -> str:
+        info = self.seen.get(qname.lower(), {})
+        if not info.get("block"):
+            return "refused"
+        return "upstream" if info.get("plugin") == "forward" else "zone"
+
+    def where(self, qname: str) -> dict:
+        info = self.seen.get(qname.lower(), {})
+        return {"block": info.get("block", ""), "zone": info.get("zone", ""), "plugin": info.get("plugin", ""),
+                "trail": info.get("trail", [])}
+
+    async def ask(self, qname: str, qtype: str) -> dns.message.Message:
+        q = _query(qname, qtype)
+        info: dict = {}
+        wire = await self.listener.resolve(q.to_wire(), self.client_ip, True, 0, info)
+        if not wire:
+            raise TraceError(f"the Corefile gave no reply for {qname} {qtype}")
+        self.seen[qname.lower()] = info
+        return dns.message.from_wire(wire if isinstance(wire, bytes) else wire[0])
+
+
 # ---------------------------------------------------------------- resolver view
 
 def pod_resolv_conf(namespace: str, cfg: Config, state: ClusterState) -> resolvconf.ResolvConf:
@@ -192,6 +222,9 @@ async def walk(name: str, conf: resolvconf.ResolvConf, asker: Asker) -> dict:
                             "rcode": dns.rcode.to_text(msg.rcode()),
                             "aa": bool(msg.flags & dns.flags.AA), "tc": bool(msg.flags & dns.flags.TC),
                             "answers": _answers(msg)})
+            where = getattr(asker, "where", None)
+            if where is not None:
+                queries[-1].update(where(cand))
         if any(_answers(m) for m in replies.values()):
             stopped_at, outcome = cand, "answer"
             break
@@ -470,6 +503,12 @@ def ipvs_path(state: ClusterState, cfg: Config, svc, family: int) -> list[dict]:
 
 def make_asker(cfg: Config, state: ClusterState, resolver: dict, conf: resolvconf.ResolvConf) -> Asker:
     """A running server when --listen is given, else an in-process engine on `state`."""
+    if cfg.dns.corefile:
+        from .corefile.build import prepare
+        corefile, _ = prepare(cfg)
+        corefile.update(state)
+        listener = _listener_for(corefile, conf)
+        return CorefileAsker(corefile, listener, resolver.get("client_ip") or "127.0.0.1")
     if cfg.dns.listen:
         host, port = cfg.listen_addresses()[0]
         return WireAsker(host, port, zones=cfg.dns.zones)
@@ -483,6 +522,18 @@ def make_asker(cfg: Config, state: ClusterState, resolver: dict, conf: resolvcon
     return EngineAsker(engine, resolver.get("client_ip") or "127.0.0.1",
                        f"in-process engine (state version {state.version}; "
                        + (f"upstream {ups})" if ups else "no upstream)"), seen, cfg.dns.zones)
+
+
+def _listener_for(corefile: Any, conf: resolvconf.ResolvConf) -> Any:
+    """The Corefile's listener on the pod's first nameserver at port 53 if there is one, else
+    one on port 53 (a wildcard first), else the first."""
+    ls = corefile.listeners
+    ns = conf.nameservers[0] if conf.nameservers else ""
+    for key in ((ns, 53), ("0.0.0.0", 53)):
+        if key in ls:
+            return ls[key]
+    on53 = [li for (_h, p), li in ls.items() if p == 53]
+    return on53[0] if on53 else next(iter(ls.values()))
 
 
 async def build_trace(cfg: Config, state: ClusterState, asker: Asker | None = None) -> dict:
@@ -696,8 +747,10 @@ def format_text(data: dict, color: bool = False) -> str:
             rcode = "NODATA"
         elif rcode != "NXDOMAIN":
             rcode = s.bad(rcode)
-        rows.append([str(q["step"]), q["name"], q["type"], route_text.get(q.get("route", ""), "-"), rcode,
-                     ans or "-"])
+        source = route_text.get(q.get("route", ""), "-")
+        if "block" in q:        # a Corefile: the server block (FILE:LINE) and the plugin that answered
+            source = f"{q['block'] or 'no block'} {q.get('plugin') or ('REFUSED' if not q['block'] else '-')}"
+        rows.append([str(q["step"]), q["name"], q["type"], source, rcode, ans or "-"])
     lines += _table(rows)
     if w.get("upstream"):
         lines.append("  " + f"sent upstream (outside the served zones): {', '.join(w['upstream'])}")
