@@ -123,16 +123,16 @@ class CorefileAsker:
     def __init__(self, corefile: Any, listener: Any, client_ip: str) -> None:
         self.corefile, self.listener, self.client_ip = corefile, listener, client_ip
         self.description = f"Corefile {corefile.path} (in-process, listener {listener.server})"
-        self.seen: dict[str, dict] = {}
+        self.info: dict[str, dict] = {}
 
     def route(self, qname: str) -> str:
-        info = self.seen.get(qname.lower(), {})
+        info = self.info.get(qname.lower(), {})
         if not info.get("block"):
             return "refused"
         return "upstream" if info.get("plugin") == "forward" else "zone"
 
     def where(self, qname: str) -> dict:
-        info = self.seen.get(qname.lower(), {})
+        info = self.info.get(qname.lower(), {})
         return {"block": info.get("block", ""), "zone": info.get("zone", ""), "plugin": info.get("plugin", ""),
                 "trail": info.get("trail", [])}
 
@@ -142,7 +142,7 @@ class CorefileAsker:
         wire = await self.listener.resolve(q.to_wire(), self.client_ip, True, 0, info)
         if not wire:
             raise TraceError(f"the Corefile gave no reply for {qname} {qtype}")
-        self.seen[qname.lower()] = info
+        self.info[qname.lower()] = info
         return dns.message.from_wire(wire if isinstance(wire, bytes) else wire[0])
 
 

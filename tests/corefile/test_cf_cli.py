@@ -1,0 +1,129 @@
+"""The commands as a user runs them with --corefile: `dns` serving a Corefile (health, ready
+and metrics on the Corefile's addresses), `config check`, `trace`, and exit 2 with FILE:LINE."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import dns.message
+import dns.query
+import dns.rcode
+
+from tests.netutil import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clusterdns", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _corefile(tmp_path: Path, dns_port: int, health: int, ready: int, prom: int) -> Path:
+    path = tmp_path / "Corefile"
+    # written in an order unlike CoreDNS's: config check must print the run order
+    path.write_text(f"""# a kubeadm-like block on loopback ports
+.:{dns_port} {{
+    loop
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+       pods insecure
+       fallthrough in-addr.arpa ip6.arpa
+       ttl 30
+    }}
+    prometheus 127.0.0.1:{prom}
+    ready 127.0.0.1:{ready}
+    health 127.0.0.1:{health} {{
+       lameduck 1s
+    }}
+    bind 127.0.0.1
+    reload
+}}
+""")
+    return path
+
+
+def test_config_check_prints_blocks_and_plugins_in_run_order(tmp_path):
+    path = _corefile(tmp_path, 5301, 5302, 5303, 5304)
+    r = _run("config", "check", "--corefile", str(path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"Corefile {path}"
+    assert lines[1] == f"server block {path}:2: zones . on 127.0.0.1:5301"
+    order = [ln.split(". ", 1)[1].split()[0] for ln in lines if ln.startswith("  ") and ". " in ln]
+    assert order == ["reload", "bind", "ready", "health", "prometheus", "kubernetes", "loop"]
+    assert "ttl 30" in r.stdout and "lameduck 1s" in r.stdout
+    assert lines[-1].startswith("process: health 127.0.0.1:5302, ready 127.0.0.1:5303, metrics 127.0.0.1:5304")
+
+
+def test_bad_corefile_exits_2_with_file_and_line(tmp_path):
+    path = tmp_path / "Corefile"
+    path.write_text(".:53 {\n    kubernetes cluster.local {\n        pods always\n    }\n}\n")
+    for cmd in (["config", "check"], ["dns", "--manifest", str(ROOT / "examples" / "demo-cluster.yaml")]):
+        r = _run(*cmd, "--corefile", str(path))
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert r.stderr.strip().splitlines()[-1].startswith(f"clusterdns: {path}:3: plugin/kubernetes: pods")
+    r = _run("config", "check", "--corefile", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "missing" in r.stderr
+    r = _run("dns", "--corefile", str(path), "--upstream", "1.1.1.1")
+    assert r.returncode == 2 and "--upstream: with --corefile the Corefile says this (forward)" in r.stderr
+
+
+def test_dns_serves_the_corefile_with_its_health_ready_and_metrics(tmp_path):
+    dns_port, health, ready, prom = (free_port() for _ in range(4))
+    path = _corefile(tmp_path, dns_port, health, ready, prom)
+    proc = subprocess.Popen([sys.executable, "-m", "clusterdns", "dns", "--corefile", str(path), "--manifest",
+                             str(ROOT / "examples" / "demo-cluster.yaml")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        q = dns.message.make_query("testapp-svc.testapp.svc.cluster.local", "A")
+        deadline, reply = time.monotonic() + 20, None
+        while time.monotonic() < deadline and reply is None:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                reply = dns.query.udp(q, "127.0.0.1", port=dns_port, timeout=0.3)
+            except Exception:
+                time.sleep(0.1)
+        assert reply is not None and reply.rcode() == dns.rcode.NOERROR
+        assert [rd.to_text() for rs in reply.answer for rd in rs] == ["172.20.36.232"] and reply.answer[0].ttl == 30
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                if _get(health, "/health")[0] == 200 and _get(ready, "/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert _get(health, "/health") == (200, "OK")
+        assert _get(ready, "/ready") == (200, "OK")
+        status, text = _get(prom, "/metrics")
+        assert status == 200
+        served = [ln for ln in text.splitlines()
+                  if ln.startswith("coredns_dns_requests_total") and f'server="dns://127.0.0.1:{dns_port}"' in ln]
+        assert served, "the Corefile's listener is counted"
+        enabled = {ln.split('name="')[1].split('"')[0] for ln in text.splitlines()
+                   if ln.startswith("coredns_plugin_enabled{")}
+        assert {"kubernetes", "loop", "prometheus"} <= enabled
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=15)
+    assert proc.returncode == 0, out
+
+
+def test_trace_names_the_block_and_plugin(tmp_path):
+    path = _corefile(tmp_path, 5301, 5302, 5303, 5304)
+    r = _run("trace", "testapp-svc", "--corefile", str(path))
+    assert r.returncode == 0, r.stderr
+    assert f"{path}:2 kubernetes" in r.stdout
+    assert "stops at testapp-svc.testapp.svc.cluster.local. -> 172.20.36.232" in r.stdout
