@@ -3,6 +3,7 @@
 
     python3 bench/dns/user.py [--rounds 3] [--venv DIR] [--workers N] [--no-start]
     python3 bench/dns/user.py --start-only [--starts 5] [--venv DIR]   # step 4 alone (~1 min)
+    python3 bench/dns/user.py --corefile FILE [--no-start]   # also clusterdns serving FILE
 
 1. `pip install .` of this tree into a fresh venv (no extras: only what the
    package requires), unless --venv names one to reuse.
@@ -14,6 +15,10 @@
    alternating rounds of `dnsperf -c 8 -t 2 -l 8` on the mix (A/AAAA/SRV/PTR/
    NXDOMAIN) and on the search-path mix (the ndots:5 walk of a pod). Prints
    medians of queries per server CPU-second, the ratio to unbound, and loss.
+   With --corefile FILE (e.g. kubeadm's Corefile), a third server in the same rounds:
+   `clusterdns dns --manifest FILE --corefile C` where C is FILE with its port 53
+   made the bench's port, `bind 127.0.0.1` added and health/ready/prometheus moved
+   to free loopback ports: nothing else of it changed.
 4. Start and memory at 10,000 Services / 100,000 endpoints: seconds from
    exec to the first answer, and RSS once answering and after one pass of every
    distinct query of both mixes; medians of --starts runs.
@@ -90,6 +95,26 @@ def start_server(exe: Path, manifest: Path, port: int, workers: int) -> subproce
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
 
 
+def localize_corefile(text: str, port: int) -> str:
+    """The Corefile on loopback: `:53` keys on `port`, `bind 127.0.0.1` in each block, its
+    health/ready/prometheus on free ports."""
+    text = re.sub(r"^(\S+?):53(\s*\{)", lambda m: f"{m.group(1)}:{port}{m.group(2)}\n    bind 127.0.0.1",
+                  text, flags=re.M)
+    text = re.sub(r"^(\s*)health(\s+[^\s{]+)?(\s*\{|\s*$)", lambda m: f"{m.group(1)}health 127.0.0.1:{free_port()}{m.group(3)}",
+                  text, flags=re.M)
+    text = re.sub(r"^(\s*)ready(\s+[^\s{]+)?\s*$", lambda m: f"{m.group(1)}ready 127.0.0.1:{free_port()}", text, flags=re.M)
+    text = re.sub(r"^(\s*)prometheus(\s+[^\s{]+)?\s*$", lambda m: f"{m.group(1)}prometheus 127.0.0.1:{free_port()}",
+                  text, flags=re.M)
+    return text
+
+
+def start_corefile_server(exe: Path, manifest: Path, corefile: Path, workers: int) -> subprocess.Popen:
+    argv = [str(exe), "dns", "--manifest", str(manifest), "--corefile", str(corefile)]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+
+
 def first_answer(exe: Path, manifest: Path, probe: str, workers: int) -> tuple[float, float, subprocess.Popen, int]:
     """Seconds from exec to the first positive answer (polled every 10 ms), RSS then."""
     import dns.message
@@ -122,6 +147,7 @@ def main() -> int:
     ap.add_argument("--no-start", action="store_true", help="skip the 10,000-Service start/RSS measurement")
     ap.add_argument("--start-only", action="store_true", help="only the 10,000-Service start/RSS measurement")
     ap.add_argument("--starts", type=int, default=3, help="starts at 10,000 Services (medians)")
+    ap.add_argument("--corefile", type=Path, help="also serve this Corefile (localized to loopback) in the rounds")
     args = ap.parse_args()
     for tool in ("dnsperf", "unbound"):
         if shutil.which(tool) is None:
@@ -176,6 +202,14 @@ def throughput(args, exe: Path, tmp: Path, procs: list[subprocess.Popen]) -> Non
     wait_answering(uport, u, probe)
     wait_answering(port, p, probe)
     servers = {"clusterdns": (port, p), "unbound": (uport, u)}
+    if args.corefile:
+        cport = free_port()
+        local = tmp / "Corefile"
+        local.write_text(localize_corefile(args.corefile.read_text(), cport))
+        c = start_corefile_server(exe, manifest, local, args.workers)
+        procs.append(c)
+        wait_answering(cport, c, probe)
+        servers = {"clusterdns": (port, p), "corefile": (cport, c), "unbound": (uport, u)}
     for name, (prt, proc) in servers.items():
         dnsperf(prt, every, proc.pid, passes=1)
     results: dict[tuple[str, str], list[dict]] = {}
@@ -185,6 +219,8 @@ def throughput(args, exe: Path, tmp: Path, procs: list[subprocess.Popen]) -> Non
                 results.setdefault((name, mix), []).append(dnsperf(prt, f, proc.pid, args.seconds))
     print(f"\n{args.services} services, `dnsperf -c 8 -t 2 -l {args.seconds:g}`, median of {args.rounds} rounds"
           f" (clusterdns --workers {args.workers}):")
+    if args.corefile:
+        print(f"(corefile: clusterdns dns --corefile {args.corefile}, localized to loopback)")
     print(f"{'server':<11} {'mix':<7} {'qps':>9} {'q/CPU-s':>9} {'loss %':>7} {'ratio':>6}   per-round q/CPU-s")
     for mix in mixes:
         base = statistics.median(r["per_cpu"] for r in results[("unbound", mix)])
@@ -198,7 +234,7 @@ def throughput(args, exe: Path, tmp: Path, procs: list[subprocess.Popen]) -> Non
     print("(loss: the worst round)")
     print(f"clusterdns RSS at {args.services} services: {rss_mib(p.pid):.0f} MiB; "
           f"unbound {rss_mib(u.pid):.0f} MiB")
-    for proc in (p, u):
+    for _name, (_prt, proc) in servers.items():
         proc.terminate()
         proc.wait(timeout=15)
 
