@@ -38,6 +38,7 @@ from .forward import Forward
 
 log = logging.getLogger(__name__)
 
+IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)      # Linux's value; Python does not always name it
 RCVBUF = 4 << 20          # the kernel default (208 KiB here) drops queries far below capacity
 SNDBUF = 1 << 20
 TCP_IDLE_TIMEOUT = 10.0    # CoreDNS's idle timeout for TCP
@@ -112,6 +113,30 @@ def _bind(host: str, port: int, reuse_port: bool = False,
                 continue   # the UDP port was free but not the TCP one: pick another
             raise _cannot_listen(host, port, exc) from None
     raise OSError(errno.EADDRINUSE, f"cannot listen on {_show(host, port)}: no free port")
+
+
+def _enable_pktinfo(sock: socket.socket) -> bool:
+    """Ask for each datagram's destination address; False where the kernel will not say."""
+    try:
+        if sock.family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+        else:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
+        return True
+    except OSError:
+        return False
+
+
+def _destination(anc: list, family: int) -> bytes | None:
+    """The query's destination address from recvmsg's ancillary data (in_pktinfo.ipi_addr,
+    in6_pktinfo.ipi6_addr)."""
+    for level, kind, raw in anc:
+        if family == socket.AF_INET and level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(raw) >= 12:
+            return raw[8:12]
+        if family == socket.AF_INET6 and level == socket.IPPROTO_IPV6 and kind == socket.IPV6_PKTINFO \
+                and len(raw) >= 16:
+            return raw[:16]
+    return None
 
 
 def _free_port(host: str) -> int:
@@ -233,6 +258,9 @@ class _UdpReceiver:
         self.service, self.stats, self.sock, self.loop = service, stats, sock, loop
         self.engine = engine if engine is not None else service.engine   # what answers this socket
         host, port = sock.getsockname()[:2]
+        # a wildcard address: reply from the address each query was sent to (the kernel would
+        # pick the route's source, and a client that asked a secondary address drops that)
+        self.pktinfo = host in ("0.0.0.0", "::") and _enable_pktinfo(sock)
         wake_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         self.wake_addr = (wake_host, port)
         # the thread's own counters (never registered, never folded: handed over before full)
@@ -268,7 +296,7 @@ class _UdpReceiver:
         try:
             sock.setblocking(False)
             for _ in range(4096):
-                data, addr = sock.recvfrom(65535)
+                data, addr, dst = self._receive()
                 if not data:
                     if addr is None:   # nothing queued (the socket is shut down for reading)
                         break
@@ -280,11 +308,11 @@ class _UdpReceiver:
                 except Exception:
                     reply = self.service.panic(data)
                     if reply is not None:
-                        sock.sendto(reply, addr)
+                        self.send(reply, addr, dst)
                     stats.record(data, reply, False, started, metrics.SERVER)
                     continue
                 if reply is not None:
-                    sock.sendto(reply, addr)
+                    self.send(reply, addr, dst)
                     stats.fast_udp(data, reply, started)
         except OSError:
             pass
@@ -325,7 +353,29 @@ class _UdpReceiver:
                 pass
         self.local.record(data, reply, False, started, metrics.SERVER)
 
+    def _receive(self) -> tuple[bytes, Any, bytes | None]:
+        """One datagram: (data, sender, the packed address it was sent to when pktinfo is on)."""
+        if not self.pktinfo:
+            data, addr = self.sock.recvfrom(65535)
+            return data, addr, None
+        data, anc, _flags, addr = self.sock.recvmsg(65535, socket.CMSG_SPACE(32))
+        return data, addr, _destination(anc, self.sock.family)
+
+    def send(self, reply: bytes, addr, dst: bytes | None = None) -> None:
+        """Reply to `addr`; from `dst` (the packed address the query was sent to) when known."""
+        if dst is None:
+            self.sock.sendto(reply, addr)
+        elif self.sock.family == socket.AF_INET:
+            self.sock.sendmsg([reply], [(socket.IPPROTO_IP, IP_PKTINFO, struct.pack("@I4s4s", 0, dst, b"\0" * 4))],
+                              0, addr)
+        else:
+            self.sock.sendmsg([reply], [(socket.IPPROTO_IPV6, socket.IPV6_PKTINFO, struct.pack("@16sI", dst, 0))],
+                              0, addr)
+
     def _main(self) -> None:
+        if self.pktinfo:
+            self._run_pktinfo()
+            return
         io = _Mmsg.make(self.sock)
         if io is None:
             self._run()
@@ -369,6 +419,49 @@ class _UdpReceiver:
                 count(data, reply, started)
             n += 1
             if not n & check and len(local.udp) >= near_full:   # odd traffic: let the loop fold it
+                self._handoff()
+                call(self.drain_into, self.stats)
+
+    def _run_pktinfo(self) -> None:
+        """_run for a wildcard socket: recvmsg with the destination address of each query,
+        the reply sent from it (IP_PKTINFO / IPV6_PKTINFO)."""
+        fast, local = self.engine.fast, self.local
+        lock = self.service.engine_lock
+        slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
+        near_full = metrics.RAW_LIMIT - 256
+        while True:
+            try:
+                data, addr, dst = self._receive()
+            except OSError:
+                if self.stopping:
+                    return
+                continue
+            started = perf_counter()
+            if not data:
+                if self._woken():
+                    return
+                continue
+            try:
+                with lock:
+                    reply = fast(data, False)
+            except Exception:
+                reply = self.service.panic(data)
+                if reply is not None:
+                    try:
+                        self.send(reply, addr, dst)
+                    except OSError:
+                        pass
+                local.record(data, reply, False, started, metrics.SERVER)
+                continue
+            if reply is None:
+                call(slow, self, data, addr, started, dst)
+                continue
+            try:
+                self.send(reply, addr, dst)
+            except OSError:
+                pass
+            local.fast_udp(data, reply, started)
+            if len(local.udp) >= near_full:
                 self._handoff()
                 call(self.drain_into, self.stats)
 
@@ -647,23 +740,24 @@ class DnsService:
             log.exception("answering a query failed (%d since the last report); replying SERVFAIL", n)
         return error_reply(data, SERVFAIL)
 
-    def _udp_slow(self, receiver: _UdpReceiver, data: bytes, addr, started: float) -> None:
+    def _udp_slow(self, receiver: _UdpReceiver, data: bytes, addr, started: float, dst: bytes | None = None) -> None:
         """A UDP query fast() did not answer, on the loop thread: resolve() in a task."""
         if len(self.tasks) >= MAX_INFLIGHT or receiver.stopping:
             receiver.stats.record(data, None, False, started)
             return
-        task = asyncio.ensure_future(self._udp_resolve(receiver, data, addr, started))
+        task = asyncio.ensure_future(self._udp_resolve(receiver, data, addr, started, dst))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _udp_resolve(self, receiver: _UdpReceiver, data: bytes, addr, started: float) -> None:
+    async def _udp_resolve(self, receiver: _UdpReceiver, data: bytes, addr, started: float,
+                           dst: bytes | None = None) -> None:
         metrics.begin_resolve()
         reply = await self.resolve(data, addr[0], False, receiver.engine, addr[1])
         if isinstance(reply, list):      # a transfer is TCP only; the engine refuses it on UDP
             reply = reply[0] if reply else None
         if reply is not None and not receiver.stopping:
             try:
-                receiver.sock.sendto(reply, addr)
+                receiver.send(reply, addr, dst)
             except OSError:
                 reply = None
         receiver.stats.record(data, reply, False, started)
