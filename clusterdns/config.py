@@ -279,6 +279,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a("--proxy-metrics-listen", default=S, metavar="HOST:PORT",
       help="kubeproxy_* and rest_client_* metrics (kube-proxy's 127.0.0.1:10249); 'none' disables")
     a("--health-listen", default=S, metavar="HOST:PORT", help="'none' disables")
+    a("--ready-listen", default=S, metavar="HOST:PORT",
+      help="/ready on an address of its own (CoreDNS's ready :8181); default: with --health-listen")
     a("--loop", choices=("auto", "asyncio", "uvloop"), default=S)
     a("--log-level", choices=("debug", "info", "warning", "error"), default=S)
 
@@ -425,7 +427,7 @@ def _validate(cfg: Config) -> Config:
     for flag, n in (("--memo-size", dns.memo_size), ("--memo-probation", dns.memo_probation)):
         if not 0 <= n <= 10_000_000:
             err(f"{flag} {n}: must be between 0 and 10000000")
-    for name in ("metrics_listen", "proxy_metrics_listen", "health_listen"):
+    for name in ("metrics_listen", "proxy_metrics_listen", "health_listen", "ready_listen"):
         v = options[name]
         if v and v != "none":
             parse_hostport(v, 0)
@@ -438,6 +440,7 @@ def _validate(cfg: Config) -> Config:
 # With --corefile, the Corefile says what these flags would: giving one is an error.
 COREFILE_SAYS = {"listen": "bind and the server block keys", "upstream": "forward", "no_upstream": "forward",
                  "cache_size": "cache", "metrics_listen": "prometheus", "health_listen": "health",
+                 "ready_listen": "ready",
                  "lameduck": "health { lameduck }", "transfer": "transfer", "autopath": "autopath"}
 # ... and these, unless it has no kubernetes plugin (a node-local-dns Corefile: they then
 # describe the cluster DNS it forwards to, answered in this process).
