@@ -848,3 +848,21 @@ def test_describe_one_line():
         assert part in text, (part, text)
     assert make("cache")[0].describe() == ("zones=.; success=9984 ttl 3600s min 5s; denial=9984 ttl 1800s min 5s; "
                                            "servfail=5s; prefetch=off; serve_stale=off")
+
+
+def test_record_copies_are_whole_and_independent():
+    from clusterdns.corefile.plugins import cache as mod
+    assert mod._PLAIN_RR          # this dnslib's layout: the fast copy is the one tested here
+    rrs = [dnslib.RR("Example.ORG.", A, ttl=300, rdata=dnslib.A("192.0.2.1")),
+           dnslib.RR("example.org.", MX, ttl=20, rdata=dnslib.MX("mx.example.org.", 10)),
+           dnslib.RR("example.org.", dnslib.QTYPE.OPT, rclass=1232, ttl=0, rdata=[])]
+    for ttl in (None, 7):
+        copies = mod._copy(rrs, ttl)
+        assert len(copies) == 2 and all(c is not r for c, r in zip(copies, rrs))
+        want = [dnslib.RR(r.rname, r.rtype, r.rclass, r.ttl if ttl is None else ttl, r.rdata) for r in rrs[:2]]
+        assert [(c.rname, c.rtype, c.rclass, c.ttl, c.rdata) for c in copies] == \
+            [(w.rname, w.rtype, w.rclass, w.ttl, w.rdata) for w in want]
+        packed = dnslib.DNSRecord(dnslib.DNSHeader(id=1), rr=copies).pack()
+        assert packed == dnslib.DNSRecord(dnslib.DNSHeader(id=1), rr=want).pack()
+        copies[0].ttl = 1
+        assert rrs[0].ttl == 300

@@ -148,10 +148,33 @@ class Item:
         return self.orig_ttl - int(now - self.stored)
 
 
+def _probe_rr_layout() -> bool:
+    rr = dnslib.RR("a.", 1, 1, 7, dnslib.A("192.0.2.1"))
+    return set(vars(rr)) == {"_rname", "_rtype", "_rclass", "_ttl", "rdata"} and rr._ttl == 7
+
+
+# dnslib's RR() validates every field through descriptors (~8x a dict copy); a copy of an
+# RR that is already valid need not, when the layout is the one this was written against.
+_PLAIN_RR = _probe_rr_layout()
+
+
 def _copy(rrs: list[dnslib.RR], ttl: int | None = None) -> list[dnslib.RR]:
     """New RR objects (the reply's may be shared or changed later), OPT dropped."""
-    return [dnslib.RR(rr.rname, rr.rtype, rr.rclass, rr.ttl if ttl is None else ttl, rr.rdata)
-            for rr in rrs if rr.rtype != OPT]
+    if not _PLAIN_RR:
+        return [dnslib.RR(rr.rname, rr.rtype, rr.rclass, rr.ttl if ttl is None else ttl, rr.rdata)
+                for rr in rrs if rr.rtype != OPT]
+    out = []
+    new = object.__new__
+    for rr in rrs:
+        d = rr.__dict__
+        if d["_rtype"] == OPT:
+            continue
+        c = new(dnslib.RR)
+        c.__dict__.update(d)
+        if ttl is not None:
+            c.__dict__["_ttl"] = ttl
+        out.append(c)
+    return out
 
 
 class _Store(cachetools.TLRUCache):
@@ -505,14 +528,19 @@ def _matches(req: Request, reply: dnslib.DNSRecord) -> bool:
 
 def _to_msg(item: Item, query: dnslib.DNSRecord, now: float, do: bool, ad: bool) -> dnslib.DNSRecord:
     """The cached reply tailored to this query (CoreDNS's item.toMsg)."""
-    q = query.header
+    qbits = query.header.bitmap
+    opcode = qbits & 0x7800
+    # QR, the query's opcode and RD (and CD for a QUERY), AA, RA and AD as stored, the rcode
+    bits = 0x8000 | opcode | 0x0400 | (qbits & 0x0100) | (item.rcode & 0xF)
+    if opcode == 0:
+        bits |= qbits & 0x0010
+    if item.ra:
+        bits |= 0x0080
+    if item.ad and (do or ad):
+        bits |= 0x0020
     ttl = max(0, item.ttl(now))
-    h = dnslib.DNSHeader(id=q.id, qr=1, opcode=q.opcode, aa=1, rd=q.rd, ra=int(item.ra), rcode=item.rcode)
-    if q.opcode == 0:
-        h.cd = q.cd
-    h.ad = int(item.ad and (do or ad))
-    return dnslib.DNSRecord(h, questions=list(query.questions[:1]), rr=_copy(item.answer, ttl),
-                            auth=_copy(item.ns, ttl), ar=_copy(item.extra, ttl))
+    return dnslib.DNSRecord(dnslib.DNSHeader(id=query.header.id, bitmap=bits), questions=list(query.questions[:1]),
+                            rr=_copy(item.answer, ttl), auth=_copy(item.ns, ttl), ar=_copy(item.extra, ttl))
 
 
 def _secs(seconds: float) -> str:
