@@ -369,3 +369,19 @@ async def test_a_big_hosts_file_reloads_without_stalling_answers(tmp_path):
     took = time.perf_counter() - began
     assert answered > 20, answered
     assert worst < max(0.1, took / 4), (worst, took)
+
+
+async def test_metrics_count_entries_and_the_last_reload(tmp_path):
+    from clusterdns.metrics import DNS
+
+    h = make("hosts h {\n 10.0.0.2 b.example\n reload 0\n}", tmp_path,
+             files={"h": "10.0.0.1 a.example alias.example\n::1 a.example\n"})
+    await h.start()
+    try:
+        # CoreDNS counts every address of every name and every reverse entry, file and inline
+        assert DNS.get_sample_value("coredns_hosts_entries") == (2 + 1 + 3) + (1 + 1)   # file: A, AAAA, PTR; inline
+        assert DNS.get_sample_value("coredns_hosts_reload_timestamp_seconds") == \
+            os.stat(tmp_path / "h").st_mtime_ns / 1e9
+    finally:
+        await h.stop()
+    assert DNS.get_sample_value("coredns_hosts_entries") == 0

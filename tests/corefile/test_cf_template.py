@@ -321,3 +321,27 @@ def test_parse_rr_reads_records_as_miekg_newrr():
     for bad in ("test.example.", "x. 60 IN A 300.1.1.1", "x. 60 IN A 1.2.3.4 junk", "x. 60 IN NOSUCH 1"):
         with pytest.raises(ValueError):
             parse_rr(bad)
+
+
+async def test_metrics_count_matches_and_failures():
+    from clusterdns.metrics import DNS
+
+    def value(name, **labels):
+        return DNS.get_sample_value(name, {"server": "dns://127.0.0.1:53", "view": "", **labels}) or 0.0
+
+    t = make('template IN A metrics.example {\n match "^ok[.]" "^bad[.]" "^rr[.]"\n'
+             ' answer "{{ .Name }} 60 IN A {{ index .Match 0 | parseInt 10 8 }}"\n fallthrough\n}')
+    labels = {"zone": "metrics.example.", "class": "IN", "type": "A"}
+    before = value("coredns_template_matches_total", **labels)
+    src = "{{ .Name }} 60 IN A {{ index .Match 0 | parseInt 10 8 }}"
+    assert (await run(t, "bad.metrics.example.", "A"))[0] == 2          # parseInt("10", 8, "bad.") fails
+    assert value("coredns_template_matches_total", **labels) == before + 1
+    assert value("coredns_template_template_failures_total", section="answer", template=src, **labels) >= 1
+    assert (await run(t, "other.metrics.example.", "A"))[0] == "next"   # no match: not counted
+    assert value("coredns_template_matches_total", **labels) == before + 1
+    t = make('template IN A metrics.example {\n answer "{{ .Name }} 60 IN A not-an-address"\n}')
+    rr_before = value("coredns_template_rr_failures_total", section="answer",
+                      template="{{ .Name }} 60 IN A not-an-address", **labels)
+    assert (await run(t, "x.metrics.example.", "A"))[0] == 2
+    assert value("coredns_template_rr_failures_total", section="answer",
+                 template="{{ .Name }} 60 IN A not-an-address", **labels) == rr_before + 1

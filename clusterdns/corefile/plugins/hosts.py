@@ -43,11 +43,14 @@ import asyncio
 import logging
 import os
 import socket
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import dnslib
+from prometheus_client.core import GaugeMetricFamily
 
+from ...metrics import DNS as REGISTRY
 from ..plugin import Next, Plugin, PluginError, Request, SetupContext, fqdn, match_zone, normalize_zones
 from ..syntax import Directive, duration, plugin_error
 
@@ -242,6 +245,28 @@ def _read(path: str, origins: list[str], reverse: bool) -> tuple[Table, tuple[in
     return table, (st.st_mtime_ns, st.st_size)
 
 
+_live: "weakref.WeakSet[Hosts]" = weakref.WeakSet()
+
+
+class _Collector:
+    """CoreDNS's hosts metrics (plugin/hosts/metrics.go), over the plugins serving now."""
+
+    def collect(self):
+        plugins = list(_live)
+        entries = GaugeMetricFamily("coredns_hosts_entries",
+                                    "The combined number of entries in hosts and Corefile.", labels=[])
+        entries.add_metric([], float(sum(len(p.data.file) + len(p.data.inline) for p in plugins)))
+        yield entries
+        stamps = [p.reloaded for p in plugins if p.reloaded]
+        reload = GaugeMetricFamily("coredns_hosts_reload_timestamp_seconds",
+                                   "The timestamp of the last reload of hosts file.")
+        reload.add_metric([], max(stamps, default=0.0))
+        yield reload
+
+
+REGISTRY.register(_Collector())
+
+
 class Hosts(Plugin):
     name = "hosts"
 
@@ -258,6 +283,7 @@ class Hosts(Plugin):
         self.where = where
         self.inline_lines = inline
         self._stamp: tuple[int, int] | None = None    # (mtime_ns, size) of the file as last read
+        self.reloaded = 0.0                               # that mtime, seconds (CoreDNS's metric)
         self._read_failing = False
         self._task: asyncio.Task | None = None
         inline_table = parse("\n".join(inline), origins, reverse)
@@ -275,6 +301,7 @@ class Hosts(Plugin):
             return
         self.data = Snapshot(table, self.data.inline)
         self._stamp = stamp
+        self.reloaded = stamp[0] / 1e9
 
     def check(self) -> bool:
         """Re-read the file if its mtime or size changed (blocking: run it in a thread).
@@ -292,6 +319,7 @@ class Hosts(Plugin):
             return False
         self.data = Snapshot(table, self.data.inline)     # one assignment: readers see old or new
         self._stamp = stamp
+        self.reloaded = stamp[0] / 1e9
         if self._read_failing:
             log.info("plugin/hosts: %s readable again", self.path)
         self._read_failing = False
@@ -299,10 +327,12 @@ class Hosts(Plugin):
         return True
 
     async def start(self) -> None:
+        _live.add(self)      # exported while serving (a Corefile reload's old plugins stop)
         if self.reload > 0 and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._reloader())
 
     async def stop(self) -> None:
+        _live.discard(self)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

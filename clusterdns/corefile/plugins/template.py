@@ -39,7 +39,9 @@ import dns.tokenizer
 import dns.ttl
 import dnslib
 import re2
+from prometheus_client import Counter
 
+from ...metrics import DNS as REGISTRY
 from ..plugin import SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, match_zone
 from ..syntax import Directive, plugin_error
 from ._gotext import Template as GoTemplate
@@ -60,6 +62,14 @@ EXTENDED_RCODES = {"BADSIG", "BADVERS", "BADKEY", "BADTIME", "BADMODE", "BADNAME
                    "BADCOOKIE"}
 DEFAULT_TTL = 3600   # miekg/dns NewRR's, for a record written without one
 SECTIONS = ("answer", "additional", "authority")
+
+# CoreDNS's (plugin/template/metrics.go); `template` is the failing template's text
+_LABELS = ["server", "zone", "view", "class", "type"]
+matches = Counter("coredns_template_matches", "Counter of template regex matches.", _LABELS, registry=REGISTRY)
+template_failures = Counter("coredns_template_template_failures", "Counter of go template failures.",
+                            [*_LABELS, "section", "template"], registry=REGISTRY)
+rr_failures = Counter("coredns_template_rr_failures", "Counter of mis-templated RRs.",
+                      [*_LABELS, "section", "template"], registry=REGISTRY)
 
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False   # a bad pattern is reported once, as a setup error
@@ -158,15 +168,23 @@ class Template(Plugin):
                 return await next(req)
             raise PluginError(SERVFAIL, "")
         req.note(f"template {self.where}: matched {regex.pattern}")
+        data = self._data(req, zone, regex, m)
+        labels = (req.server, zone, "", data["Class"], data["Type"])
+        matches.labels(*labels).inc()
         if self.rcode == SERVFAIL:
             raise PluginError(SERVFAIL, "")
-        data = self._data(req, zone, regex, m)
         reply = req.reply(self.rcode)
         for section, attr in (("answer", "rr"), ("additional", "ar"), ("authority", "auth")):
             for tmpl in self.sections[section]:
                 try:
-                    rr = parse_rr(tmpl.render(data))
-                except (TemplateError, ValueError) as exc:
+                    text = tmpl.render(data)
+                except TemplateError as exc:
+                    template_failures.labels(*labels, section, tmpl.source).inc()
+                    raise PluginError(SERVFAIL, str(exc)) from None
+                try:
+                    rr = parse_rr(text)
+                except ValueError as exc:
+                    rr_failures.labels(*labels, section, tmpl.source).inc()
                     raise PluginError(SERVFAIL, str(exc)) from None
                 getattr(reply, attr).append(rr)
                 if section == "answer" and rr.rtype == CNAME and q.qtype in (A, AAAA):
