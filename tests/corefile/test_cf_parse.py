@@ -985,3 +985,40 @@ def test_random_input_is_parsed_or_refused_with_file_and_line(tmp_path):
                 continue
             assert all(k.zone.endswith(".") and 0 <= k.port <= 65535 for k in ks)
     assert outcomes["parsed"] > 100 and outcomes["refused"] > 100, outcomes
+
+
+# ---- over sockets: what the reader makes of a Corefile is what the server serves --------
+
+async def test_served_reverse_expansion(tmp_path):
+    # TestReverseExpansion: 10.0.0.0/15 serves 0.10 and 1.10.in-addr.arpa; 2.10 is no zone of it
+    from tests.corefile.cfserve import CorefileServer, answers
+    # (hosts keeps only names under its zones: `.` here, so the block's zones alone decide)
+    text = ("10.0.0.0/15:{PORT} {\n  bind 127.0.0.1\n  hosts /etc/hosts . {\n    10.0.0.1 a.example\n"
+            "    10.1.0.1 b.example\n    10.2.0.1 c.example\n  }\n}\n")
+    async with CorefileServer(text, tmp_path) as s:
+        r = await s.ask("1.0.0.10.in-addr.arpa", "PTR")
+        assert answers(r) == ["1.0.0.10.in-addr.arpa. PTR a.example."]
+        r = await s.ask("1.0.1.10.in-addr.arpa", "PTR", tcp=True)
+        assert answers(r) == ["1.0.1.10.in-addr.arpa. PTR b.example."]
+        r = await s.ask("1.0.2.10.in-addr.arpa", "PTR")
+        assert r.rcode() == 5 and not r.answer         # REFUSED: outside every block's zones
+
+
+async def test_served_imports_snippets_and_env(tmp_path):
+    # a .server file through a glob, an .override spliced into .:53, a snippet and {$VAR} in both
+    from tests.corefile.cfserve import CorefileServer, answers
+    text = ("(local) {\n  bind 127.0.0.1\n}\n"
+            "Example.ORG:{PORT} {\n  import local\n  import custom/*.override\n}\n"
+            "import custom/*.server\n")
+    files = {"custom/hosts.override": "hosts {\n  {$WWW_IP} www.example.org\n}\n",
+             "custom/other.server": "other.test:{$OTHER_PORT} {\n  import local\n  hosts {\n"
+                                    "    192.0.2.7 x.other.test\n  }\n}\n"}
+    s = CorefileServer(text, tmp_path, files=files)
+    s.env = {"WWW_IP": "192.0.2.80", "OTHER_PORT": str(s.port)}
+    async with s:
+        r = await s.ask("WWW.example.org", "A")
+        assert answers(r) == ["www.example.org. A 192.0.2.80"]
+        r = await s.ask("x.other.test", "A")
+        assert answers(r) == ["x.other.test. A 192.0.2.7"]
+        r = await s.ask("www.example.com", "A")
+        assert r.rcode() == 5
