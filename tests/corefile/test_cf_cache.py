@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import dns.flags
+import dns.rcode
 import dnslib
 import pytest
 from prometheus_client import generate_latest
@@ -18,6 +20,9 @@ from clusterdns.corefile.plugin import PluginError, Request, SetupContext
 from clusterdns.corefile.plugins.cache import Cache, setup
 from clusterdns.corefile.syntax import CorefileError, Directive
 from clusterdns.metrics import DNS as REGISTRY
+from tests import demo
+from tests.corefile.cfserve import CorefileServer, answers
+from tests.dns.dnskit import FakeUpstream
 
 A, AAAA, MX, SOA_T = dnslib.QTYPE.A, dnslib.QTYPE.AAAA, dnslib.QTYPE.MX, dnslib.QTYPE.SOA
 SERVER = "dns://192.0.2.53:53"   # a label no other test's listener has
@@ -866,3 +871,50 @@ def test_record_copies_are_whole_and_independent():
         assert packed == dnslib.DNSRecord(dnslib.DNSHeader(id=1), rr=want).pack()
         copies[0].ttl = 1
         assert rrs[0].ttl == 300
+
+
+# -- over real sockets, in a served Corefile ----------------------------------------------------------
+
+def _with_service(name: str, ip: str) -> list:
+    from clusterdns.model import Service, ServicePort
+    return demo.demo_records() + [("Service", Service("testapp", name, cluster_ips=(ip,),
+                                                      ports=(ServicePort("http", "TCP", 8080),)))]
+
+
+def _denial_hits(cache: Cache) -> int:
+    return sum(n for (metric, _server, kind), n in cache._counts.items() if (metric, kind) == ("hits", "denial"))
+
+
+@pytest.mark.parametrize("chain", ["fast path", "chain (log in front)", "chain (log in front) over TCP"])
+async def test_new_service_resolves_at_once_under_cache_30(tmp_path, chain):
+    # `log` is not transparent: every query runs the chain, through the cache's serve()
+    log_line = "    log\n" if chain != "fast path" else ""
+    up = await FakeUpstream({"www.example.org.": ["www.example.org. 300 IN A 192.0.2.80"]}).start()
+    text = (".:{PORT} {\n    bind 127.0.0.1\n" + log_line + "    cache 30\n"
+            "    kubernetes cluster.local in-addr.arpa ip6.arpa\n"
+            f"    forward . 127.0.0.1:{up.port}\n}}\n")
+    tcp = chain.endswith("TCP")
+    name = "fresh-svc.testapp.svc.cluster.local"
+    try:
+        async with CorefileServer(text, tmp_path) as s:
+            cache = next(p for p in s.corefile.plugins if p.name == "cache")
+            assert cache.state_zones == ["cluster.local.", "in-addr.arpa.", "ip6.arpa."]
+            for _ in range(2):
+                r = await s.ask(name, "A", tcp=tcp)
+                assert r.rcode() == dns.rcode.NXDOMAIN
+            if chain == "fast path":
+                assert cache._counts == {}           # transparent: answered from the memo
+            else:
+                assert _denial_hits(cache) == 1      # the second NXDOMAIN came from the state store
+            s.publish(_with_service("fresh-svc", "172.20.99.9"))
+            await s.settle()
+            r = await s.ask(name, "A", tcp=tcp)
+            assert r.rcode() == dns.rcode.NOERROR and answers(r) == [f"{name}. A 172.20.99.9"]
+            # forwarded names are cached as CoreDNS caches them: once upstream, TTL capped at 30
+            first = await s.ask("www.example.org", "A", tcp=tcp)
+            second = await s.ask("WWW.example.org", "A", tcp=tcp)
+            assert answers(first) == ["www.example.org. A 192.0.2.80"] and first.answer[0].ttl == 30
+            assert second.answer[0].ttl <= 30 and second.flags & dns.flags.AA
+            assert [q[1:] for q in up.received if q[1] == "www.example.org."] == [("www.example.org.", 1)]
+    finally:
+        await up.stop()
