@@ -542,6 +542,17 @@ async def test_serve_stale_verify():
     assert plugin._counts[("served_stale", SERVER, "")] == 2
 
 
+async def test_serve_stale_in_the_second_after_expiry_is_ttl_0_not_stale():
+    # CoreDNS counts whole seconds: TTL 60 after 60.5 s is 0, usable under serve_stale, not "< 0"
+    plugin, clock = make("cache {\nserve_stale\n}")
+    nxt = Next(ttl=60)
+    await plugin.serve(query("cached.org"), nxt)
+    clock.t += 60.5
+    r = await plugin.serve(query("cached.org"), nxt)
+    assert ttls(r) == [0] and nxt.calls == 1 and not plugin.pending
+    assert ("served_stale", SERVER, "") not in plugin._counts
+
+
 async def test_serve_stale_zero_means_off():
     plugin, clock = make("cache {\nserve_stale 0\n}")
     nxt = Next(ttl=60)
@@ -918,3 +929,26 @@ async def test_new_service_resolves_at_once_under_cache_30(tmp_path, chain):
             assert [q[1:] for q in up.received if q[1] == "www.example.org."] == [("www.example.org.", 1)]
     finally:
         await up.stop()
+
+
+@pytest.mark.parametrize("mode", ["immediate", "verify"])
+async def test_serve_stale_over_sockets_when_the_upstream_is_gone(tmp_path, mode):
+    up = await FakeUpstream({"www.example.org.": ["www.example.org. 1 IN A 192.0.2.80"]}).start()
+    text = (".:{PORT} {\n    bind 127.0.0.1\n    cache {\n        success 9984 1 0\n"
+            f"        serve_stale 1h {mode}\n    }}\n    forward . 127.0.0.1:{up.port}\n}}\n")
+    async with CorefileServer(text, tmp_path) as s:
+        first = await s.ask("www.example.org", "A")
+        assert answers(first) == ["www.example.org. A 192.0.2.80"] and first.answer[0].ttl == 1
+        await up.stop()                      # the upstream goes away
+        # and the entry expires: TTL 1 - 2 whole seconds < 0 (in the second after expiry CoreDNS
+        # still counts it TTL 0, not stale)
+        await asyncio.sleep(2.05)
+        r = await s.ask("www.example.org", "A")
+        assert r.rcode() == dns.rcode.NOERROR and answers(r) == ["www.example.org. A 192.0.2.80"]
+        assert r.answer[0].ttl == 0
+        cache = next(p for p in s.corefile.plugins if p.name == "cache")
+        await settle(cache)
+        assert sum(n for (m, _s, _k), n in cache._counts.items() if m == "served_stale") == 1
+        # a name never cached has nothing stale: the forward's failure is the answer
+        r = await s.ask("other.example.org", "A")
+        assert r.rcode() == dns.rcode.SERVFAIL
