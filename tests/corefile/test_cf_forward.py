@@ -104,7 +104,7 @@ def test_defaults():
     assert (f.max_concurrent, f.force_tcp, f.prefer_udp, f.failfast) == (0, False, False, False)
     assert (f.read_timeout, f.overall_timeout) == (2.0, 5.0)     # CoreDNS's read timeout and deadline
     assert not p.transparent("www.example.", 1)
-    assert p.describe() == ("forward . 127.0.0.1:53; policy random; max_fails 2; expire 10s; "
+    assert p.describe() == (". 127.0.0.1:53; policy random; max_fails 2; expire 10s; "
                             "health_check 0.5s; max_concurrent unlimited")
 
 
@@ -697,7 +697,7 @@ def test_every_real_corefile_forward_sets_up(name, tmp_path):
     found = real_forwards(name, tmp_path)
     assert found                       # each of them forwards somewhere
     for p in found:
-        assert p.fwd.upstreams and p.describe().startswith(f"forward {p.from_zone} ")
+        assert p.fwd.upstreams and p.describe().startswith(f"{p.from_zone} ")
 
 
 def test_real_corefile_options_are_read(tmp_path):
@@ -730,3 +730,62 @@ async def test_dot_health_probe_goes_over_tls(certs):
     finally:
         server.close()
         await server.wait_closed()
+
+
+# --- over real sockets, in a served Corefile (tests/corefile/cfserve.py) -----------------------
+
+async def test_stub_domain_block_beside_the_default_block(tmp_path):
+    from tests.corefile.cfserve import CorefileServer, answers
+    consul = await FakeUpstream({"web.service.consul.local.": ["web.service.consul.local. 30 IN A 10.9.9.9"]}).start()
+    default = await FakeUpstream(RECORDS).start()
+    text = ("consul.local:{PORT} {\n    bind 127.0.0.1\n    forward . 127.0.0.1:%d\n}\n"
+            ".:{PORT} {\n    bind 127.0.0.1\n    kubernetes cluster.local in-addr.arpa ip6.arpa\n"
+            "    forward . 127.0.0.1:%d\n}\n") % (consul.port, default.port)
+    try:
+        async with CorefileServer(text, tmp_path) as s:
+            for tcp in (False, True):
+                r = await s.ask("WEB.Service.consul.local", "A", tcp=tcp)
+                assert answers(r) == ["WEB.Service.consul.local. A 10.9.9.9"]       # the client's spelling
+                r = await s.ask("www.example", "A", tcp=tcp)
+                assert answers(r) == ["www.example. A 192.0.2.1"]
+                r = await s.ask("testapp-svc.testapp.svc.cluster.local", "A", tcp=tcp)
+                assert answers(r) == ["testapp-svc.testapp.svc.cluster.local. A 172.20.36.232"]
+            # each upstream got only its own names, over the client's transport
+            assert consul.received == [("udp", "web.service.consul.local.", 1), ("tcp", "web.service.consul.local.", 1)]
+            assert default.received == [("udp", "www.example.", 1), ("tcp", "www.example.", 1)]
+            r = await s.ask("missing.consul.local", "A")
+            assert r.rcode() == dns.rcode.NXDOMAIN and len(default.received) == 2    # the stub's NXDOMAIN
+            await consul.stop()                                   # the stub domain's upstream is gone
+            r = await s.ask("web.service.consul.local", "A")
+            assert r.rcode() == dns.rcode.SERVFAIL
+            assert answers(await s.ask("www.example", "A")) == ["www.example. A 192.0.2.1"]
+    finally:
+        await consul.stop()
+        await default.stop()
+
+
+async def test_forwards_chained_in_one_served_block(tmp_path):
+    from tests.corefile.cfserve import CorefileServer, answers
+    lab = await FakeUpstream({"a.lab.example.": ["a.lab.example. 60 IN A 10.20.0.1"]}).start()
+    rest = await FakeUpstream(RECORDS).start()
+    text = (".:{PORT} {\n    bind 127.0.0.1\n    forward lab.example 127.0.0.1:%d\n"
+            "    forward . 127.0.0.1:%d {\n        force_tcp\n    }\n}\n") % (lab.port, rest.port)
+    try:
+        async with CorefileServer(text, tmp_path) as s:
+            assert answers(await s.ask("a.lab.example", "A")) == ["a.lab.example. A 10.20.0.1"]
+            assert answers(await s.ask("www.example", "A")) == ["www.example. A 192.0.2.1"]
+            assert lab.received == [("udp", "a.lab.example.", 1)]
+            assert rest.received == [("tcp", "www.example.", 1)]               # force_tcp
+    finally:
+        await lab.stop()
+        await rest.stop()
+
+
+def test_a_bad_forward_in_a_corefile_is_refused_with_file_line(tmp_path):
+    from clusterdns.config import Config
+    from clusterdns.corefile.build import load_corefile
+    path = tmp_path / "Corefile"
+    path.write_text(".:53 {\n    forward . 127.0.0.1 {\n        max_fails many\n    }\n}\n")
+    with pytest.raises(CorefileError) as exc:
+        load_corefile(str(path), Config.from_options("dns", corefile=str(path)))
+    assert str(exc.value).startswith(f"{path}:3: plugin/forward: max_fails: invalid number 'many'")

@@ -404,7 +404,7 @@ def _summary(p: ForwardPlugin, opts: dict, shown: list[str], next_rcodes: list[i
     def secs(v: float) -> str:
         return f"{v:g}s"
     ups = " ".join(u.to + (f"%{u.server_name}" if u.server_name else "") for u in p.fwd.upstreams)
-    parts = [f"forward {p.from_zone} {ups}", f"policy {opts['policy']}", f"max_fails {opts['max_fails']}",
+    parts = [f"{p.from_zone} {ups}", f"policy {opts['policy']}", f"max_fails {opts['max_fails']}",
              f"expire {secs(opts['expire'])}",
              f"health_check {secs(opts['health_interval'])}" + ("" if opts["health_rd"] else " no_rec")
              + ("" if opts["health_domain"] == "." else f" domain {opts['health_domain']}"),
