@@ -917,6 +917,9 @@ async def test_new_service_resolves_at_once_under_cache_30(tmp_path, chain):
                 assert cache._counts == {}           # transparent: answered from the memo
             else:
                 assert _denial_hits(cache) == 1      # the second NXDOMAIN came from the state store
+                # exported (the runtime started the plugin) with the listener's server label
+                assert value("coredns_cache_hits_total", server=f"dns://127.0.0.1:{s.port}", type="denial",
+                             zones=".", view="") == 1
             s.publish(_with_service("fresh-svc", "172.20.99.9"))
             await s.settle()
             r = await s.ask(name, "A", tcp=tcp)
