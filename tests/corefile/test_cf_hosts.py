@@ -385,3 +385,10 @@ async def test_metrics_count_entries_and_the_last_reload(tmp_path):
     finally:
         await h.stop()
     assert DNS.get_sample_value("coredns_hosts_entries") == 0
+
+
+def test_zones_may_be_cidrs(tmp_path):
+    # setup_test.go: `hosts /etc/hosts miek.nl 10.0.0.9/8` serves miek.nl. and 10.in-addr.arpa.
+    h = make("hosts h miek.nl 10.0.0.9/8 {\n fallthrough 10.0.0.0/24\n}", tmp_path, files={"h": ""})
+    assert h.origins == ["miek.nl.", "10.in-addr.arpa."]
+    assert h.fall == ["0.0.10.in-addr.arpa."]

@@ -345,3 +345,8 @@ async def test_metrics_count_matches_and_failures():
     assert (await run(t, "x.metrics.example.", "A"))[0] == 2
     assert value("coredns_template_rr_failures_total", section="answer",
                  template="{{ .Name }} 60 IN A not-an-address", **labels) == rr_before + 1
+
+
+def test_zones_may_be_cidrs():
+    t = make("template IN PTR 10.0.0.0/8 {\n rcode NXDOMAIN\n fallthrough 10.1.0.0/16\n}")
+    assert t.zones == ["10.in-addr.arpa."] and t.fall == ["1.10.in-addr.arpa."]
