@@ -102,7 +102,7 @@ GO_HOSTS = """255.255.255.255\tbroadcasthost
 
 
 def vals(d: dict, key: str) -> list[str]:
-    return list(hostsmod._values(d.get(key)))
+    return hostsmod._values(d.get(key))
 
 
 def test_hostsfile_parse_as_go_reads_it():
@@ -392,3 +392,13 @@ def test_zones_may_be_cidrs(tmp_path):
     h = make("hosts h miek.nl 10.0.0.9/8 {\n fallthrough 10.0.0.0/24\n}", tmp_path, files={"h": ""})
     assert h.origins == ["miek.nl.", "10.in-addr.arpa."]
     assert h.fall == ["0.0.10.in-addr.arpa."]
+
+
+def test_many_values_for_one_key_keep_their_order():
+    # ad-block lists: one address, thousands of names; and a name with many addresses
+    text = "".join(f"0.0.0.0 ad{i}.example\n" for i in range(20)) + \
+        "".join(f"10.0.0.{i} many.example\n" for i in range(1, 13))
+    t = hostsmod.parse(text, ["."])
+    assert vals(t.ptr, "0.0.0.0") == [f"ad{i}.example." for i in range(20)]
+    assert vals(t.v4, "many.example.") == [f"10.0.0.{i}" for i in range(1, 13)]
+    assert len(t) == 20 + 20 + 12 + 12

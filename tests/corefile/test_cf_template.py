@@ -202,14 +202,16 @@ async def test_ederror_adds_an_extended_dns_error():
     t = make('template ANY ANY invalid {\n rcode NXDOMAIN\n'
              ' authority "invalid. 60 {{ .Class }} SOA ns.invalid. hostmaster.invalid. (1 60 60 60 60)"\n'
              ' ederror 21 "Blocked according to RFC2606"\n}')
-    rcode, reply, _ = await run(t, "x.invalid.", "A")
-    assert rcode == 3 and rrs(reply.auth) == ["invalid. 60 IN SOA ns.invalid. hostmaster.invalid. 1 60 60 60 60"]
-    (opt,) = [rr for rr in reply.ar if rr.rtype == 41]
-    (ede,) = opt.rdata
-    assert ede.code == 15 and ede.data == struct.pack("!H", 21) + b"Blocked according to RFC2606"
+    req = query("x.invalid.", "A", edns=1232)
+    reply = await t.serve(req, Canned())
+    assert reply.header.rcode == 3
+    assert rrs(reply.auth) == ["invalid. 60 IN SOA ns.invalid. hostmaster.invalid. 1 60 60 60 60"]
+    # the option the server adds to its OPT (runtime: req.data["edns_options"])
+    assert req.data["edns_options"] == [(15, struct.pack("!H", 21) + b"Blocked according to RFC2606")]
     t = make("template ANY ANY invalid {\n rcode NXDOMAIN\n ederror 15\n}")
-    (opt,) = [rr for rr in (await run(t, "x.invalid.", "A"))[1].ar if rr.rtype == 41]
-    assert opt.rdata[0].data == struct.pack("!H", 15)
+    req = query("x.invalid.", "A", edns=1232)
+    await t.serve(req, Canned())
+    assert req.data["edns_options"] == [(15, struct.pack("!H", 15))]
 
 
 async def test_fallthrough_zones():

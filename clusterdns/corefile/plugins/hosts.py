@@ -63,13 +63,16 @@ DEFAULT_RELOAD = 5.0
 OPTIONS = ("ttl", "no_reverse", "reload", "fallthrough", "fallthrough_unsupported")
 
 
-# A name's addresses (an address's names) are one str, or a tuple when there are several:
-# strs are not tracked by the garbage collector, so a big file adds no GC work (a list per
-# entry made the collector walk them all while holding the GIL: 2.5 s stalls at 300,000 lines).
+# A name's addresses (an address's names) are one str, several joined by spaces (neither
+# holds whitespace): strs are not tracked by the garbage collector, so a big file adds no GC
+# work. (A list or tuple per entry made the collector walk them all while holding the GIL:
+# 0.7 s stalls reloading 1,000,000 lines.) Values of a key that gets many (0.0.0.0 in an
+# ad-block list) are gathered in a list while parsing and joined once at the end.
+_SHORT = 8
 
 
-def _values(v) -> tuple[str, ...]:
-    return () if v is None else (v,) if type(v) is str else v
+def _values(v: str | None) -> list[str]:
+    return [] if v is None else v.split(" ") if " " in v else [v]
 
 
 @dataclass
@@ -81,7 +84,7 @@ class Table:
     skipped: int = 0                           # lines or names not usable
 
     def __len__(self) -> int:
-        return sum(1 if type(v) is str else len(v) for d in (self.v4, self.v6, self.ptr) for v in d.values())
+        return sum(v.count(" ") + 1 for d in (self.v4, self.v6, self.ptr) for v in d.values())
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,8 @@ class Snapshot:
         return _unique(self.file.ptr.get(address), self.inline.ptr.get(address))
 
 
-def _unique(a, b) -> list[str]:
-    if b is None and type(a) is str:
+def _unique(a: str | None, b: str | None) -> list[str]:
+    if b is None and a is not None and " " not in a:
         return [a]
     return list(dict.fromkeys([*_values(a), *_values(b)]))
 
@@ -160,6 +163,8 @@ def _add(d: dict, multi: dict, key: str, value: str) -> None:
         d[key] = value
     elif key in multi:
         multi[key].append(value)
+    elif have.count(" ") < _SHORT:
+        d[key] = have + " " + value
     else:
         multi[key] = [have, value]
 
@@ -172,7 +177,7 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
         lines = lines.splitlines()
     t = Table()
     v4, v6, ptr = t.v4, t.v6, t.ptr
-    multi: tuple[dict, dict, dict] = ({}, {}, {})   # several values: lists while building
+    multi: tuple[dict, dict, dict] = ({}, {}, {})   # keys with many values: lists while parsing
     rmany = multi[2]
     everywhere = "." in origins
     seen: dict[str, str | None] = {}   # address as written -> canonical (files repeat 0.0.0.0 ...)
@@ -207,13 +212,15 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
                 names[name] = canon
             elif name in many:
                 many[name].append(canon)
+            elif have.count(" ") < _SHORT:
+                names[name] = have + " " + canon
             else:
                 many[name] = [have, canon]
             if reverse and name[0] != "*":
                 _add(ptr, rmany, canon, name)
     for d, many in zip((v4, v6, ptr), multi):
         for key, values in many.items():
-            d[key] = tuple(values)
+            d[key] = " ".join(values)
     return t
 
 

@@ -190,10 +190,9 @@ class Template(Plugin):
                 if section == "answer" and rr.rtype == CNAME and q.qtype in (A, AAAA):
                     await self._follow(req, next, reply, str(rr.rdata.label), q.qtype)
         if self.ederror is not None:
+            # the server puts it in its OPT (when the client sent one: RFC 6891)
             code, reason = self.ederror
-            opt = dnslib.EDNS0(udp_len=4096, flags="do",
-                               opts=[dnslib.EDNSOption(EDE, struct.pack("!H", code) + reason.encode())])
-            reply.ar.append(opt)
+            req.data.setdefault("edns_options", []).append((EDE, struct.pack("!H", code) + reason.encode()))
         return reply
 
     @staticmethod

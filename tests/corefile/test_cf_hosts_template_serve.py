@@ -1,0 +1,105 @@
+"""hosts and template over real sockets, in the Corefiles that ship them: k3s's (NodeHosts
+served, other names falling through to kubernetes and forward) and AKS's (the NXDOMAIN
+templates in front of forward), asked with dnspython."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+
+import dns.flags
+import dns.rcode
+import pytest
+
+from tests.corefile.cfserve import CorefileServer, answers
+from tests.dns.dnskit import FakeUpstream
+
+REAL = Path(__file__).parent / "real"
+SVC = "testapp-svc.testapp.svc.cluster.local."
+
+
+def localized(name: str, upstream: int) -> str:
+    """A real Corefile made to run on loopback: its .:53 on {PORT} bound to 127.0.0.1, forward to
+    the stub upstream; health, ready and prometheus (fixed ports of their own) left out."""
+    text = (REAL / name).read_text()
+    text = re.sub(r"\n\s*health \{[^}]*\}", "", text)
+    text = re.sub(r"\n\s*(health|ready|prometheus)\b[^\n]*", "", text)
+    text = text.replace(".:53 {", ".:{PORT} {\n    bind 127.0.0.1", 1)
+    return text.replace("forward . /etc/resolv.conf", f"forward . 127.0.0.1:{upstream}")
+
+
+@pytest.fixture
+async def upstream():
+    up = await FakeUpstream({"example.com.": ["example.com. 300 IN A 93.184.216.34"],
+                             "a.b.c.internal.cloudapp.net.": ["a.b.c.internal.cloudapp.net. 300 IN A 10.1.0.4"]}).start()
+    yield up
+    await up.stop()
+
+
+NODE_HOSTS = "172.18.0.2 k3s-server\n172.18.0.3 k3s-agent-1\n"
+
+
+async def test_k3s_corefile_serves_node_hosts_and_passes_other_names_on(tmp_path, upstream):
+    text = localized("k3s.corefile", upstream.port).replace("/etc/coredns/NodeHosts", "NodeHosts")
+    assert "hosts NodeHosts {" in text and "ttl 60" in text
+    async with CorefileServer(text, tmp_path, files={"NodeHosts": NODE_HOSTS}) as s:
+        for name in ("k3s-server.", "K3S-Server."):
+            r = await s.ask(name, "A")
+            assert r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA
+            # hosts' ttl 60, capped by the block's `cache 30` as CoreDNS's cache caps replies
+            assert answers(r) == ["k3s-server. A 172.18.0.2"] and r.answer[0].ttl == 30
+        r = await s.ask("2.0.18.172.in-addr.arpa.", "PTR")
+        assert answers(r) == ["2.0.18.172.in-addr.arpa. PTR k3s-server."]
+        r = await s.ask("k3s-agent-1.", "AAAA", tcp=True)            # listed, no IPv6: NODATA
+        assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+        asked_before = len(upstream.received)
+        # not in NodeHosts: fallthrough to kubernetes (cluster names) and forward (the rest)
+        r = await s.ask(SVC, "A")
+        assert answers(r) == [f"{SVC} A 172.20.36.232"]
+        r = await s.ask("example.com.", "A")
+        assert answers(r) == ["example.com. A 93.184.216.34"]
+        assert ("udp", "example.com.", 1) in upstream.received[asked_before:]
+        assert not any(q[1].startswith("k3s-") for q in upstream.received)
+
+
+async def test_a_changed_hosts_file_is_served_without_a_restart(tmp_path, upstream):
+    text = (".:{PORT} {\n    bind 127.0.0.1\n    hosts nodes {\n        reload 50ms\n        fallthrough\n    }\n"
+            f"    forward . 127.0.0.1:{upstream.port}\n}}\n")
+    async with CorefileServer(text, tmp_path, files={"nodes": NODE_HOSTS}) as s:
+        assert answers(await s.ask("k3s-server.", "A")) == ["k3s-server. A 172.18.0.2"]
+        assert (await s.ask("k3s-agent-2.", "A")).rcode() == dns.rcode.NXDOMAIN     # the stub's answer
+        path = tmp_path / "nodes"
+        path.write_text(NODE_HOSTS + "172.18.0.4 k3s-agent-2\n")
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        for _ in range(100):
+            r = await s.ask("k3s-agent-2.", "A")
+            if answers(r):
+                break
+            await asyncio.sleep(0.05)
+        assert answers(r) == ["k3s-agent-2. A 172.18.0.4"]
+
+
+async def test_a_hosts_only_block_answers_servfail_for_names_it_does_not_list(tmp_path):
+    # coredns#2482: no fallthrough, no SOA to make an NXDOMAIN: SERVFAIL
+    text = "example.org:{PORT} {\n    bind 127.0.0.1\n    hosts {\n        10.0.0.1 example.org\n    }\n}\n"
+    async with CorefileServer(text, tmp_path) as s:
+        assert answers(await s.ask("example.org.", "A")) == ["example.org. A 10.0.0.1"]
+        assert (await s.ask("www.example.org.", "A")).rcode() == dns.rcode.SERVFAIL
+
+
+async def test_aks_corefile_templates_answer_nxdomain_before_forward(tmp_path, upstream):
+    text = localized("aks.corefile", upstream.port)
+    assert "template ANY ANY reddog.microsoft.com" in text
+    async with CorefileServer(text, tmp_path) as s:
+        for name, qtype in (("reddog.microsoft.com.", "A"), ("foo.Reddog.Microsoft.com.", "AAAA"),
+                            ("a.b.c.d.internal.cloudapp.net.", "A"), ("x.a.b.c.d.internal.cloudapp.net.", "SRV")):
+            r = await s.ask(name, qtype)
+            assert r.rcode() == dns.rcode.NXDOMAIN and r.flags & dns.flags.AA, name
+            assert r.answer == []
+        assert not any("reddog" in q[1] or q[1].endswith(".d.internal.cloudapp.net.") for q in upstream.received)
+        # fewer labels under internal.cloudapp.net: fallthrough to forward
+        r = await s.ask("a.b.c.internal.cloudapp.net.", "A")
+        assert answers(r) == ["a.b.c.internal.cloudapp.net. A 10.1.0.4"]
+        assert answers(await s.ask(SVC, "A")) == [f"{SVC} A 172.20.36.232"]
