@@ -59,7 +59,9 @@ class Block:
             after = self.answering[self.answering.index(self.kube) + 1:]
             self.tail: Next = _chain(after, names)
             front = self.answering[:self.answering.index(self.kube)]
-            self.guards = [p for p in front if p.name not in STATE_TRANSPARENT]
+            # a plugin may opt out of STATE_TRANSPARENT by its options (loadbalance with prefer)
+            self.guards = [p for p in front
+                           if p.name not in STATE_TRANSPARENT or not getattr(p, "state_transparent", True)]
             self.fast: Callable[[bytes, bool], bytes | None] | None = self.kube.engine.fast  # type: ignore[attr-defined]
         else:
             self.tail = _chain([], names)

@@ -134,3 +134,17 @@ def real_directives(plugin: str) -> list[tuple[str, Directive]]:
         for block in parse_text(text, path.name, env={}, base_dir=str(path.parent)):
             found += [(f"{d.where}", d) for d in block.directives if d.name == plugin]
     return found
+
+
+class Upstream:
+    """`async with Upstream({name: [rrset texts]}) as up`: tests/dns/dnskit.FakeUpstream on loopback."""
+
+    def __init__(self, records: dict[str, list[str]] | None = None) -> None:
+        from tests.dns.dnskit import FakeUpstream
+        self.fake = FakeUpstream(records or {})
+
+    async def __aenter__(self):
+        return await self.fake.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.fake.stop()

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import dns.rcode
 import pytest
 
 from clusterdns.corefile.plugin import SERVFAIL, PluginError
 from clusterdns.corefile.plugins import errors
 from clusterdns.corefile.plugins._coredns import go_duration_string
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, ctx, directive, query, real_directives
+from tests.corefile.cfplugkit import Canned, Upstream, ctx, directive, query, real_directives
+from tests.corefile.cfserve import CorefileServer
 
 NOTAUTH = 9
 
@@ -139,7 +141,8 @@ def test_transparent_and_describe():
     ('errors {\n  consolidate 5 x\n}', 2, "missing unit in duration"),
     ('errors {\n  consolidate soon x\n}', 2, "invalid duration"),
     ('errors {\n  consolidate 0s x\n}', 2, "must be positive"),
-    ('errors {\n  consolidate 5m "(x"\n}', 2, "invalid REGEXP '(x'"),
+    ('errors {\n  consolidate 5m "(x"\n}', 2, "invalid REGEXP '(x': error parsing regexp: missing )"),
+    ('errors {\n  consolidate 5m "(?=x)"\n}', 2, "invalid REGEXP '(?=x)'"),
     ('errors {\n  consolidate 5m x warn\n}', 2, "unknown log level argument in consolidate: warn"),
     ('errors {\n  consolidate 5m x WARNING\n}', 2, "unknown log level argument in consolidate: WARNING"),
     ('errors {\n  consolidate 5m x show_first warning\n}', 2, "unknown log level argument in consolidate: show_first"),
@@ -167,3 +170,16 @@ def test_setup_accepts():
 @pytest.mark.parametrize("where, d", real_directives("errors"), ids=lambda v: v if isinstance(v, str) else "")
 def test_real_corefiles_lines_are_accepted(where, d):
     assert errors.setup(d, ctx()).describe()
+
+
+async def test_socket_errors_and_log_lines_for_a_dead_upstream(tmp_path, capsys):
+    async with Upstream() as gone:
+        port = gone.port          # nothing listens there once it is stopped
+    text = (".:{PORT} {\n  bind 127.0.0.1\n  errors\n  log . {\n    class error\n  }\n"
+            f"  forward . 127.0.0.1:{port}\n}}\n")
+    async with CorefileServer(text, tmp_path) as s:
+        r = await s.ask("x.example.org", "A", timeout=10)
+        assert r.rcode() == dns.rcode.SERVFAIL
+    got = out(capsys)
+    assert any(x.startswith("[ERROR] plugin/errors: 2 x.example.org. A: plugin/forward: ") for x in got), got
+    assert any('"A IN x.example.org. udp ' in x and " SERVFAIL qr,rd " in x for x in got), got

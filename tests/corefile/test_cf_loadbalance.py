@@ -10,7 +10,8 @@ import pytest
 
 from clusterdns.corefile.plugins import loadbalance
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, ctx, directive, query, real_directives
+from tests.corefile.cfplugkit import Canned, Upstream, ctx, directive, query, real_directives
+from tests.corefile.cfserve import CorefileServer
 
 CNAME, A, AAAA, MX, NS, SOA = 5, 1, 28, 15, 2, 6
 ORDER = {CNAME: 0, A: 1, AAAA: 1, MX: 2, NS: 3}
@@ -192,3 +193,29 @@ def test_setup_refuses_with_file_line(text, message):
 @pytest.mark.parametrize("where, d", real_directives("loadbalance"), ids=lambda v: v if isinstance(v, str) else "")
 def test_real_corefiles_lines_are_accepted(where, d):
     assert loadbalance.setup(d, ctx()).describe()
+
+
+async def test_socket_forwarded_addresses_rotate(tmp_path):
+    records = {"many.example.org.": [f"many.example.org. 30 IN A 10.0.0.{i}" for i in range(1, 5)]}
+    async with Upstream(records) as up:
+        text = f".:{{PORT}} {{\n  bind 127.0.0.1\n  loadbalance\n  forward . 127.0.0.1:{up.port}\n}}\n"
+        async with CorefileServer(text, tmp_path) as s:
+            first = Counter()
+            for _ in range(60):
+                r = await s.ask("many.example.org", "A")
+                got = [rd.to_text() for rrset in r.answer for rd in rrset]
+                assert sorted(got) == [f"10.0.0.{i}" for i in range(1, 5)]
+                first[got[0]] += 1
+            # each of 4 first in 60 tries: missing one has odds (3/4)^60 ~ 3e-8
+            assert len(first) == 4, first
+
+
+async def test_socket_prefer_with_the_kubernetes_plugin(tmp_path):
+    # the headless Service's endpoints: prefer puts the chosen subnet's address first every time
+    text = (".:{PORT} {\n  bind 127.0.0.1\n  loadbalance {\n    prefer 10.161.35.3/32\n  }\n"
+            "  kubernetes cluster.local\n}\n")
+    async with CorefileServer(text, tmp_path) as s:
+        for _ in range(10):
+            r = await s.ask("testapp-headless.testapp.svc.cluster.local", "A")
+            got = [rd.to_text() for rrset in r.answer for rd in rrset]
+            assert got[0] == "10.161.35.3" and sorted(got) == ["10.161.35.2", "10.161.35.3", "10.161.35.4"]

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import re
 
+import dns.rcode
 import dnslib
 import pytest
 
 from clusterdns.corefile.plugin import NXDOMAIN, SERVFAIL, PluginError
 from clusterdns.corefile.plugins import log
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, chain, ctx, directive, query, real_directives
+from tests.corefile.cfplugkit import Canned, Upstream, chain, ctx, directive, query, real_directives
+from tests.corefile.cfserve import CorefileServer, answers
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
 
@@ -210,3 +212,23 @@ def test_duration_is_go_seconds():
 @pytest.mark.parametrize("where, d", real_directives("log"), ids=lambda v: v if isinstance(v, str) else "")
 def test_real_corefiles_lines_are_accepted(where, d):
     assert log.setup(d, ctx()).describe()
+
+
+async def test_socket_log_lines_and_the_memo(tmp_path, capsys):
+    # `log example.org` is transparent for cluster names: the memo answers them, unlogged
+    async with Upstream({"www.example.org.": ["www.example.org. 30 IN A 10.0.0.1"]}) as up:
+        text = (".:{PORT} {\n  bind 127.0.0.1\n  log example.org {combined}\n"
+                f"  kubernetes cluster.local\n  forward . 127.0.0.1:{up.port}\n}}\n")
+        async with CorefileServer(text, tmp_path) as s:
+            r = await s.ask("www.example.org", "A", use_edns=0, payload=1232)
+            assert answers(r) == ["www.example.org. A 10.0.0.1"]
+            r = await s.ask("testapp-svc.testapp.svc.cluster.local", "A")
+            assert answers(r) == ["testapp-svc.testapp.svc.cluster.local. A 172.20.36.232"]
+            r = await s.ask("nosuch.example.org", "AAAA", tcp=True)
+            assert r.rcode() == dns.rcode.NXDOMAIN
+    out = lines(capsys)
+    assert len(out) == 2, out
+    # 44 bytes asked (33 + an OPT), 60 answered (one A more); the stub sets no RA
+    assert re.search(r'\[INFO\] 127\.0\.0\.1:\d+ - \d+ "A IN www\.example\.org\. udp 44 false 1232" '
+                     r'NOERROR qr,rd 60 [\d.]+s "0"$', out[0]), out[0]
+    assert '"AAAA IN nosuch.example.org. tcp 36 false 65535" NXDOMAIN ' in out[1], out[1]

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import re
 
+import dns.rcode
 import dnslib
 import pytest
 
 from clusterdns.corefile.plugin import SERVFAIL, PluginError
 from clusterdns.corefile.plugins import rewrite
 from clusterdns.corefile.syntax import CorefileError
-from tests.corefile.cfplugkit import Canned, chain, ctx, directive, names, query, real_directives
+from tests.corefile.cfplugkit import Canned, Upstream, chain, ctx, directive, names, query, real_directives
+from tests.corefile.cfserve import CorefileServer, answers
 
 A, ANY, HINFO, SRV = 1, 255, 13, 33
 
@@ -94,6 +96,9 @@ def test_setup_accepts(text):
     ("rewrite name a.com b.com c.com", "supports only exact, prefix, suffix, substring, and regex"),
     (r"rewrite name regex ([a]\.com new-{1}.com", "invalid regex matching pattern"),
     (r"rewrite name regex (a)\.com {1}{2}.com", "uses more subexpressions"),
+    # Go's regexp (RE2): no look-around or backreferences, as CoreDNS
+    (r"rewrite name regex (?<=a)b x", "invalid regex matching pattern: (?<=a)b (error parsing regexp: invalid perl"),
+    (r"rewrite name regex (a)\1 x", "invalid regex matching pattern"),
     (r"rewrite name regex (adns)\.(core)\.(rocks) {2}.{1}.{3} answer name (core)\.(adns)\.(rocks) {2}.{1}.{3} "
      "too.long way.too.long", "invalid type 'too.long' for answer rule"),
     (r"rewrite name regex (bdns)\.(core)\.(rocks) {2}.{1}.{3} NoAnswer name (core)\.(bdns)\.(rocks) {2}.{1}.{3}",
@@ -340,6 +345,15 @@ async def test_prefix_and_substring_answer_auto():
     assert names(reply.rr) == ["x.old.y."]
 
 
+async def test_regex_matching_is_linear_time():
+    # RE2, as Go: a pattern that backtracks exponentially in Python's re costs one pass here
+    p = plug(r"rewrite name regex (a+)+\.x\. ok")
+    name = "a" * 60 + ".y."
+    assert p.transparent(name, A)
+    reply = await p.serve(query(name), Canned(answer="@ 5 IN A 10.0.0.1"))
+    assert names(reply.rr) == [name]
+
+
 async def test_invalid_name_after_rewrite_is_servfail():
     p = plug("rewrite name suffix .a. ..b.")
     last = Canned(answer="@ 5 IN A 10.0.0.1")
@@ -558,3 +572,74 @@ async def test_kubespray_documented_lines_through_the_parser():
     # kubespray's external-zone example puts `stop` after `name`: CoreDNS refuses it, so do we
     with pytest.raises(CorefileError, match=r"^Corefile:7: plugin/rewrite: name rule supports only exact"):
         rewrite.setup(d3, ctx())
+
+
+# --- over real sockets (tests/corefile/cfserve.py, a dnspython client, a stub upstream) -------------
+
+AKS = r"""example.com:{PORT} {
+    bind 127.0.0.1
+    log
+    errors
+    rewrite stop {
+        name regex (.*)\.example\.com {1}.default.svc.cluster.local
+        answer name (.*)\.default\.svc\.cluster\.local {1}.example.com
+    }
+    forward . 127.0.0.1:UPSTREAM
+}
+"""
+
+
+async def test_socket_aks_rewrite_block_against_a_stub_upstream(tmp_path, capsys):
+    records = {"web.default.svc.cluster.local.": ["web.default.svc.cluster.local. 30 IN A 10.96.7.7"]}
+    async with Upstream(records) as up, CorefileServer(AKS.replace("UPSTREAM", str(up.port)), tmp_path) as s:
+        r = await s.ask("Web.Example.com", "A")
+        assert r.rcode() == dns.rcode.NOERROR
+        assert str(r.question[0].name) == "Web.Example.com."
+        assert answers(r) == ["web.example.com. A 10.96.7.7"]
+        assert ("udp", "web.default.svc.cluster.local.", 1) in up.received
+        r = await s.ask("nosuch.example.com", "A", tcp=True)
+        assert r.rcode() == dns.rcode.NXDOMAIN and str(r.question[0].name) == "nosuch.example.com."
+    out = capsys.readouterr().out.splitlines()
+    assert any('"A IN web.example.com. udp ' in x and " NOERROR qr," in x for x in out), out
+    assert any('"A IN nosuch.example.com. tcp ' in x and " NXDOMAIN " in x for x in out), out
+
+
+async def test_socket_rewrite_into_the_cluster_zone(tmp_path):
+    # coredns#4834's form: the block's kubernetes plugin answers the rewritten name
+    text = ("example.com:{PORT} {\n  bind 127.0.0.1\n"
+            "  rewrite name regex (.*)\\.example\\.com {1}.testapp.svc.cluster.local answer auto\n"
+            "  kubernetes cluster.local\n}\n")
+    async with CorefileServer(text, tmp_path) as s:
+        r = await s.ask("testapp-svc.example.com", "A")
+        assert answers(r) == ["testapp-svc.example.com. A 172.20.36.232"]
+
+
+async def test_socket_kubespray_old_domain_suffix_with_the_kubernetes_plugin(tmp_path, capsys):
+    text = (".:{PORT} {\n  bind 127.0.0.1\n  log cluster.old\n"
+            "  rewrite name suffix cluster.old cluster.local answer auto\n"
+            "  kubernetes cluster.local in-addr.arpa ip6.arpa\n}\n")
+    async with CorefileServer(text, tmp_path) as s:
+        r = await s.ask("testapp-svc.testapp.svc.cluster.old", "A")
+        assert answers(r) == ["testapp-svc.testapp.svc.cluster.old. A 172.20.36.232"]
+        # the new name itself: no rule matches (the memo may answer it), log (cluster.old only) is quiet
+        r = await s.ask("testapp-svc.testapp.svc.cluster.local", "A")
+        assert answers(r) == ["testapp-svc.testapp.svc.cluster.local. A 172.20.36.232"]
+    out = [x for x in capsys.readouterr().out.splitlines() if "[INFO]" in x]
+    assert len(out) == 1 and '"A IN testapp-svc.testapp.svc.cluster.old. udp ' in out[0], out
+
+
+async def test_socket_edns0_local_option_reaches_the_upstream(tmp_path):
+    seen = []
+    async with Upstream({"a.example.org.": ["a.example.org. 30 IN A 10.0.0.1"]}) as up:
+        answer = up.answer
+
+        def spy(wire, proto):
+            seen.append(dnslib.DNSRecord.parse(wire))
+            return answer(wire, proto)
+        up.answer = spy
+        text = (".:{PORT} {\n  bind 127.0.0.1\n  rewrite edns0 local set 0xffee {client_ip}\n"
+                f"  forward . 127.0.0.1:{up.port}\n}}\n")
+        async with CorefileServer(text, tmp_path) as s:
+            r = await s.ask("a.example.org", "A")
+            assert answers(r) == ["a.example.org. A 10.0.0.1"]
+    assert options(seen[0]) == [(0xFFEE, bytes([127, 0, 0, 1]))]

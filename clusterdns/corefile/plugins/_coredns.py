@@ -13,8 +13,10 @@ import logging
 import re
 import sys
 import time
+from typing import Any
 
 import dnslib
+import re2
 
 from ..syntax import duration as _duration
 
@@ -81,6 +83,19 @@ def class_name(qclass: int) -> str:
 
 def rcode_name(rcode: int) -> str:
     return _RCODES.get(rcode, str(rcode))
+
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False    # a bad pattern is reported once, as a setup error
+
+
+def go_regexp(pattern: str) -> Any:
+    """regexp.Compile: RE2 (Go's syntax and errors, linear-time matching); ValueError with its reason."""
+    try:
+        return re2.compile(pattern, _RE2_OPTIONS)
+    except re2.error as exc:
+        reason = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(f"error parsing regexp: {reason}") from None
 
 
 _GO_DURATION = re.compile(r"[+-]?((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+")

@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import dnslib
 
 from ..plugin import Next, Plugin, PluginError, Request, SetupContext
 from ..syntax import Directive, plugin_error
 from . import _coredns
-from ._coredns import LEVELS, go_duration, go_duration_string, type_name
+from ._coredns import LEVELS, go_duration, go_duration_string, go_regexp, type_name
 
 
 @dataclass
 class Pattern:
     period: float
-    regex: re.Pattern[str]
+    regex: Any      # an RE2 regexp (Go's syntax)
     level: int = logging.ERROR
     show_first: bool = False
     count: int = 0
@@ -116,8 +116,8 @@ def _consolidate(line: Directive) -> Pattern:
     if period <= 0:
         raise plugin_error(line, f"consolidate: the DURATION must be positive, not {args[0]!r}", "errors")
     try:
-        regex = re.compile(args[1])
-    except re.error as exc:
+        regex = go_regexp(args[1])
+    except ValueError as exc:
         raise plugin_error(line, f"invalid REGEXP {args[1]!r}: {exc}", "errors") from None
     rest = args[2:]
     show_first = bool(rest) and rest[-1] == "show_first"

@@ -90,6 +90,8 @@ class LoadBalance(Plugin):
         self.subnets = subnets or []
         self.limit = limit
         self.rand = rand or random.Random()
+        # the runtime takes loadbalance as transparent for the memo's answers unless this is False
+        self.state_transparent = not self.subnets and not self.limit
 
     async def serve(self, req: Request, next: Next) -> dnslib.DNSRecord:
         reply = await next(req)
