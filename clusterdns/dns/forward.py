@@ -412,7 +412,9 @@ class Forward:
     async def _connect(self, up: Upstream, timeout: float):
         if not up.tls:
             return await asyncio.wait_for(asyncio.open_connection(up.host, up.port), timeout)
-        ctx = self.tls_context or ssl.create_default_context()
+        if self.tls_context is None:   # the system CAs, loaded once
+            self.tls_context = ssl.create_default_context()
+        ctx = self.tls_context
         return await asyncio.wait_for(asyncio.open_connection(
             up.host, up.port, ssl=ctx, server_hostname=up.server_name or up.host,
             ssl_handshake_timeout=max(timeout, 0.001)), timeout)

@@ -614,11 +614,15 @@ def certs(tmp_path_factory):
     return d
 
 
-async def start_dot(certs, up: FakeUpstream):
+async def start_dot(certs, up: FakeUpstream, client_auth: bool = False):
     """A DNS-over-TLS server on loopback: FakeUpstream's TCP handler behind Python's ssl; the
-    handshakes it completed are counted in up.connections."""
+    handshakes it completed are counted in up.connections. With client_auth it requires a
+    client certificate signed by the test's CA (the same self-signed certificate)."""
     sctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     sctx.load_cert_chain(certs / "cert.pem", certs / "key.pem")
+    if client_auth:
+        sctx.verify_mode = ssl.CERT_REQUIRED
+        sctx.load_verify_locations(certs / "cert.pem")
     up.connections = 0  # type: ignore[attr-defined]
 
     async def handle(reader, writer):
@@ -789,3 +793,23 @@ def test_a_bad_forward_in_a_corefile_is_refused_with_file_line(tmp_path):
     with pytest.raises(CorefileError) as exc:
         load_corefile(str(path), Config.from_options("dns", corefile=str(path)))
     assert str(exc.value).startswith(f"{path}:3: plugin/forward: max_fails: invalid number 'many'")
+
+
+async def test_dot_client_certificate_with_tls_cert_key_ca(certs):
+    up = FakeUpstream(RECORDS)
+    server = await start_dot(certs, up, client_auth=True)
+    c, k = certs / "cert.pem", certs / "key.pem"
+    try:
+        p = make(f"forward . tls://127.0.0.1:{up.port} {{\ntls {c} {k} {c}\ntls_servername dns.test.local\n}}")
+        assert str((await p.serve(request("www.example"), Next())).rr[0].rdata) == "192.0.2.1"
+        await p.stop()
+        # without a client certificate the server ends the handshake: SERVFAIL, never an answer
+        p = make(f"forward . tls://127.0.0.1:{up.port} {{\ntls {c}\ntls_servername dns.test.local\n"
+                 "health_check 30s\n}")
+        with pytest.raises(PluginError) as exc:
+            await p.serve(request("www.example"), Next())
+        assert exc.value.rcode == SERVFAIL and len(up.received) == 1
+        await p.stop()
+    finally:
+        server.close()
+        await server.wait_closed()
