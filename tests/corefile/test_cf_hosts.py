@@ -10,6 +10,8 @@ import time
 
 import dnslib
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clusterdns.corefile.plugin import PluginError, Request, SetupContext
 from clusterdns.corefile.plugins import hosts as hostsmod
@@ -402,3 +404,21 @@ def test_many_values_for_one_key_keep_their_order():
     assert vals(t.ptr, "0.0.0.0") == [f"ad{i}.example." for i in range(20)]
     assert vals(t.v4, "many.example.") == [f"10.0.0.{i}" for i in range(1, 13)]
     assert len(t) == 20 + 20 + 12 + 12
+
+
+def test_binary_junk_in_a_hosts_file_is_skipped(tmp_path):
+    (tmp_path / "h").write_bytes(b"1.2.3.4\x00 nul.example\n\xff\xfe 5.6.7.8\n::1\x00 x\n10.0.0.1 ok.example \xc3\xbc.example\n")
+    h = make("hosts h", tmp_path)
+    assert vals(h.data.file.v4, "ok.example.") == ["10.0.0.1"]
+    assert list(h.data.file.v4) == ["ok.example."] and h.data.file.skipped == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["10.0.0.1", "::1", "fe80::1%lo0", "::ffff:1.2.3.4", "1.2.3", "010.0.0.1", " ", "\t",
+                                 "\n", "#", "a.example", "*.w.example", "A.EXAMPLE.", "..", "x" * 64, "\x00", "ü",
+                                 "\r\n", "."]), max_size=30))
+def test_any_hosts_text_parses(pieces):
+    t = hostsmod.parse("".join(pieces), ["."])
+    for table in (t.v4, t.v6, t.ptr):
+        for key, value in table.items():
+            assert key and value and all(vals(table, key))

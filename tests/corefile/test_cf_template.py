@@ -7,6 +7,8 @@ import time
 
 import dnslib
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clusterdns.corefile.plugin import PluginError, Request
 
@@ -294,6 +296,10 @@ def test_describe_gives_the_effective_options():
      "Corefile:3: plugin/template: error parsing extended DNS error code 70000"),
     ("template ANY ANY {\n rcode NXDOMAIN\n ederror 1 a b\n}", "Corefile:3: plugin/template: Wrong argument count"),
     ("template ANY ANY {\n rcode NXDOMAIN {\n }\n}", "Corefile:2: plugin/template: rcode takes no block"),
+    ('template ANY ANY {\n answer "{{ parseInt .Name 16 }}"\n}',
+     "Corefile:2: plugin/template: could not compile template: answer, template: answer: {{parseInt .Name 16}}: "
+     "wrong number of args for parseInt: want 3 got 2"),
+    ('template ANY ANY {\n answer "{{ index }}"\n}', "Corefile:2: plugin/template: could not compile"),
 ])
 def test_setup_errors_name_file_and_line(text, message):
     with pytest.raises(CorefileError) as err:
@@ -352,3 +358,35 @@ async def test_metrics_count_matches_and_failures():
 def test_zones_may_be_cidrs():
     t = make("template IN PTR 10.0.0.0/8 {\n rcode NXDOMAIN\n fallthrough 10.1.0.0/16\n}")
     assert t.zones == ["10.in-addr.arpa."] and t.fall == ["1.10.in-addr.arpa."]
+
+
+_PIECES = ["{{", "}}", "{{- ", " -}}", " ", ".", "Name", ".Group.a", ".Match", "index", "parseInt", '"', "`", "'",
+           "(", ")", "|", "1", "-2", "0x1f", "$x", ":=", "/*", "*/", ".Meta", "\\", "\n", "if", "end", ".Question",
+           ".Question.Name", "99999999999999999999999", "16", "8", '"ff"', ".Grup"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=14))
+def test_any_template_text_compiles_or_is_refused_and_renders_or_fails_cleanly(pieces):
+    from clusterdns.corefile.plugins._gotext import Template, TemplateError
+    data = {"Name": "n.", "Zone": ".", "Class": "IN", "Type": "A", "Match": ["m", "x"], "Group": {"0": "m", "a": "x"},
+            "Remote": "192.0.2.1", "Regex": ".*", "Question": {"Name": "n.", "Qtype": 1, "Qclass": 1}}
+    try:
+        t = Template("answer", "".join(pieces))
+    except TemplateError:
+        return
+    try:
+        assert isinstance(t.render(data), str)
+    except TemplateError:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["a.", "example.", " ", "60", "IN", "CH", "A", "AAAA", "TXT", "SOA", "MX", "CNAME",
+                                 "1.2.3.4", "::1", '"x"', "(", ")", "\\", "\n", ";", "TYPE65", "\\#", "@", "*",
+                                 "..", "SRV", "NONE", "ANY", "x" * 70]), min_size=1, max_size=10))
+def test_any_rendered_text_is_a_record_or_a_value_error(pieces):
+    try:
+        assert isinstance(parse_rr("".join(pieces)), dnslib.RR)
+    except ValueError:
+        pass

@@ -173,7 +173,14 @@ class _Parser:
 
 def _check(pipe: Pipe) -> None:
     """Refuse at setup what this renderer would not execute as Go does."""
-    for command in pipe.commands:
+    for c, command in enumerate(pipe.commands):
+        head = command[0]
+        if isinstance(head, Func):
+            got = len(command) - 1 + (1 if c else 0)     # a piped value is the last argument
+            if head.name == "parseInt" and got != 3:
+                raise TemplateError(f"wrong number of args for parseInt: want 3 got {got}")
+            if head.name == "index" and got < 1:
+                raise TemplateError("wrong number of args for index: want at least 1 got 0")
         for n, node in enumerate(command):
             if isinstance(node, Pipe):
                 _check(node)

@@ -131,7 +131,7 @@ def _address(text: str) -> tuple[int, str] | None:
     if ":" not in text:
         try:
             socket.inet_pton(socket.AF_INET, text)
-        except OSError:
+        except (OSError, ValueError):    # ValueError: a NUL, a lone surrogate
             return None
         return 4, text
     i = text.find("%")
@@ -139,7 +139,7 @@ def _address(text: str) -> tuple[int, str] | None:
         text = text[:i]
     try:
         packed = socket.inet_pton(socket.AF_INET6, text)
-    except OSError:
+    except (OSError, ValueError):
         return None
     if packed[:12] == _MAPPED:
         return 4, socket.inet_ntop(socket.AF_INET, packed[12:])
