@@ -280,7 +280,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
       help="kubeproxy_* and rest_client_* metrics (kube-proxy's 127.0.0.1:10249); 'none' disables")
     a("--health-listen", default=S, metavar="HOST:PORT", help="'none' disables")
     a("--ready-listen", default=S, metavar="HOST:PORT",
-      help="/ready on an address of its own (CoreDNS's ready :8181); default: with --health-listen")
+      help="/ready on addresses of its own, comma-separated (CoreDNS's ready :8181); default: with --health-listen")
     a("--loop", choices=("auto", "asyncio", "uvloop"), default=S)
     a("--log-level", choices=("debug", "info", "warning", "error"), default=S)
 
@@ -428,9 +428,9 @@ def _validate(cfg: Config) -> Config:
         if not 0 <= n <= 10_000_000:
             err(f"{flag} {n}: must be between 0 and 10000000")
     for name in ("metrics_listen", "proxy_metrics_listen", "health_listen", "ready_listen"):
-        v = options[name]
-        if v and v != "none":
-            parse_hostport(v, 0)
+        for v in options[name].split(",") if name == "ready_listen" else [options[name]]:
+            if v and v != "none":
+                parse_hostport(v, 0)
     if cfg.run.from_pod and cfg.run.from_pod.count("/") != 1:
         err(f"--from-pod {cfg.run.from_pod!r}: expected NAMESPACE/POD")
     fall = None if dns.fallthrough is None else tuple(z.strip(".").lower() for z in dns.fallthrough)

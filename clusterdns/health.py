@@ -72,10 +72,11 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
     if h is not None:
         h.health = True
         h.kinds.append("health")
-    r = at(cfg.agent.ready_listen) if cfg.agent.ready_listen else None
-    if r is not None and not r.health:
-        r.ready = True
-        r.kinds.append("ready")
+    for addr in filter(None, cfg.agent.ready_listen.split(",")):
+        r = at(addr)
+        if r is not None and not r.health and not r.ready:
+            r.ready = True
+            r.kinds.append("ready")
     proxy = at(cfg.agent.proxy_metrics_listen) if "proxy" in roles else None
     dns = at(cfg.agent.metrics_listen) if "dns" in roles else None
     if dns is not None:

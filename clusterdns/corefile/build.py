@@ -118,7 +118,7 @@ def prepare(cfg: Config, dns_server: str | None = None) -> tuple[Corefile, Confi
                                     "remove the flag")
     listen = tuple(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in cf.listeners)
     agent: dict[str, Any] = {"listen": listen, "health_listen": _listen(cf.health_listen) or "none",
-             "ready_listen": _listen(cf.ready_listen),
+             "ready_listen": ",".join(_listen(a) for a in cf.ready_listen.split(",") if a),
              "metrics_listen": _listen(cf.metrics_listen) or "none"}
     if cf.lameduck is not None:
         agent["lameduck"] = cf.lameduck
@@ -316,10 +316,10 @@ def _process_settings(cf: Corefile, plugins: list[Plugin]) -> None:
                                            f"the first is {cf.health_listen}: health is process-wide")
             cf.health_listen, cf.lameduck = listen, lameduck
         elif p.name == "ready":
-            if cf.ready_listen and cf.ready_listen != p.listen:     # type: ignore[attr-defined]
-                raise CorefileError(where, f"plugin/ready: a second address ({p.listen}); "  # type: ignore[attr-defined]
-                                           f"the first is {cf.ready_listen}")
-            cf.ready_listen = p.listen                              # type: ignore[attr-defined]
+            # one /ready per address (blocks naming one address share it)
+            have = cf.ready_listen.split(",") if cf.ready_listen else []
+            if p.listen not in have:                                # type: ignore[attr-defined]
+                cf.ready_listen = ",".join(have + [p.listen])      # type: ignore[attr-defined]
         elif p.name == "prometheus":
             if cf.metrics_listen and cf.metrics_listen != p.listen:  # type: ignore[attr-defined]
                 raise CorefileError(where, f"plugin/prometheus: a second address ({p.listen}); "  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ SUPPORTED = {
     "prometheus": "prometheus", "errors": "errors", "log": "log", "loadbalance": "loadbalance",
     "rewrite": "rewrite", "autopath": "autopath", "cache": "cache", "template": "template",
     "hosts": "hosts", "kubernetes": "kubernetes", "loop": "loop", "forward": "forward",
+    "whoami": "whoami", "nsid": "nsid",
 }
 
 # CoreDNS setup returns plugin.ErrOnce for a second one in a block.

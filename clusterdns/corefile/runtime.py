@@ -69,7 +69,11 @@ class Block:
             self.fast = None
 
     def describe(self) -> list[str]:
-        return [f"{p.name} {p.describe()}".rstrip() for p in self.plugins]
+        out = []
+        for p in self.plugins:
+            text = p.describe()
+            out.append(text if text.split(" ", 1)[0] == p.name else f"{p.name} {text}".rstrip())
+        return out
 
 
 def _chain(plugins: list[Plugin], names: list[str]) -> Next:
@@ -238,14 +242,17 @@ class Listener:
             return xfr
         reply.header.id = record.header.id
         reply.questions = [question]
-        return self._finish(reply, edns, do, limit)
+        return self._finish(reply, edns, do, limit, options=req.data.get("edns_options", ()))
 
-    def _finish(self, reply: dnslib.DNSRecord, edns: int | None, do: bool, limit: int, ext_rcode: int = 0) -> bytes:
-        """The reply as sent: our OPT when the client sent one, fitted to `limit` (TC)."""
+    def _finish(self, reply: dnslib.DNSRecord, edns: int | None, do: bool, limit: int, ext_rcode: int = 0,
+                options=()) -> bytes:
+        """The reply as sent: our OPT (with the options plugins asked for, NSID) when the client
+        sent one, fitted to `limit` (TC)."""
         reply.header.qr = 1
         reply.ar = [rr for rr in reply.ar if rr.rtype != OPT_TYPE]
         if edns is not None:
-            reply.ar.append(dnslib.RR(".", OPT_TYPE, self.udp_size, (ext_rcode << 24) | (0x8000 if do else 0), []))
+            reply.ar.append(dnslib.RR(".", OPT_TYPE, self.udp_size, (ext_rcode << 24) | (0x8000 if do else 0),
+                                      [dnslib.EDNSOption(code, data) for code, data in options]))
         data = reply.pack()
         if len(data) <= limit:
             return bytes(data)
