@@ -103,3 +103,31 @@ async def test_aks_corefile_templates_answer_nxdomain_before_forward(tmp_path, u
         r = await s.ask("a.b.c.internal.cloudapp.net.", "A")
         assert answers(r) == ["a.b.c.internal.cloudapp.net. A 10.1.0.4"]
         assert answers(await s.ask(SVC, "A")) == [f"{SVC} A 172.20.36.232"]
+
+
+async def test_hosts_and_templates_in_front_of_kubernetes_take_the_names_they_answer(tmp_path):
+    # the receive threads answer cluster names from the memo only where every plugin in front of
+    # kubernetes is transparent: a name hosts lists, or a template takes, must get their answer
+    text = (".:{PORT} {\n    bind 127.0.0.1\n    hosts nodes {\n        fallthrough\n    }\n"
+            "    template IN TXT cluster.local {\n        match ^testapp-svc[.]\n"
+            '        answer "{{ .Name }} 60 IN TXT \\"templated\\""\n        fallthrough\n    }\n'
+            "    template IN A testapp.svc.cluster.local {\n        match ^other[.]\n"
+            '        answer "{{ .Name }} 60 IN A 192.0.2.9"\n        fallthrough\n    }\n'
+            "    template IN A testapp.svc.cluster.local {\n        match ^other[.] ^second[.]\n"
+            '        answer "{{ .Name }} 60 IN A 192.0.2.10"\n        fallthrough\n    }\n'
+            "    kubernetes cluster.local in-addr.arpa ip6.arpa\n}\n")
+    override = f"10.99.0.1 {SVC}\n"
+    async with CorefileServer(text, tmp_path, files={"nodes": override}) as s:
+        for _ in range(2):                           # the second time is the memo's chance
+            assert answers(await s.ask(SVC, "A")) == [f"{SVC} A 10.99.0.1"]
+            assert answers(await s.ask(SVC, "TXT")) == [f'{SVC} TXT "templated"']
+            r = await s.ask(SVC, "AAAA")               # hosts lists it, IPv4 only: NODATA
+            assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+            # the templates in Corefile order: the first that matches answers
+            assert answers(await s.ask("other.testapp.svc.cluster.local.", "A")) == [
+                "other.testapp.svc.cluster.local. A 192.0.2.9"]
+            assert answers(await s.ask("second.testapp.svc.cluster.local.", "A")) == [
+                "second.testapp.svc.cluster.local. A 192.0.2.10"]
+            other = "testapp2-svc.testapp.svc.cluster.local."
+            r = await s.ask(other, "A")
+            assert r.rcode() == dns.rcode.NOERROR and r.answer and r.answer[0].ttl == 5   # kubernetes'
