@@ -342,6 +342,10 @@ async def test_names_outside_the_zones_go_to_next_uncached():
     await plugin.serve(query("www.example.org"), nxt)
     assert nxt.calls == 3
     assert plugin.transparent("www.example.com.", A) and not plugin.transparent("www.example.org.", A)
+    assert plugin.transparent("wwwexample.org.", A) and not plugin.transparent("example.org.", A)
+    await plugin.serve(query("wwwexample.org"), nxt)
+    await plugin.serve(query("wwwexample.org"), nxt)
+    assert nxt.calls == 5
 
 
 async def test_zones_default_to_the_server_block():
@@ -585,6 +589,7 @@ async def test_state_zone_entries_dropped_on_every_state_change():
     assert plugin.transparent("testapp-svc.testapp.svc.cluster.local.", A)
     assert plugin.transparent("cluster.local.", SOA_T)
     assert not plugin.transparent("example.org.", A)
+    assert not plugin.transparent("xcluster.local.", A)       # label-wise, not a string suffix
     for _ in range(2):
         await plugin.serve(query("testapp-svc.testapp.svc.Cluster.Local"), svc)
         await plugin.serve(query("example.org"), ext)

@@ -258,6 +258,17 @@ def minimal_ttl(reply: dnslib.DNSRecord, kind: int) -> int:
     return lowest
 
 
+def _under(zones: list[str]) -> Callable[[str], bool]:
+    """Is a name (lower-case FQDN) at or under any of `zones`? One C call per name (the
+    receive threads ask transparent() for every name the memo answers)."""
+    if "." in zones:
+        return lambda name: True
+    if not zones:
+        return lambda name: False
+    exact, suffixes = frozenset(zones), tuple("." + z for z in zones)
+    return lambda name: name in exact or name.endswith(suffixes)
+
+
 def _clamp(ttl: int, low: int, high: int) -> int:
     """CoreDNS's computeTTL: raised to low, then capped at high (high wins)."""
     return min(max(ttl, low), high)
@@ -274,6 +285,7 @@ class Cache(Plugin):
         # only the state zones this cache sees matter
         self.state_zones = [z for z in (state_zones or []) if match_zone(self.zones, z)
                             or any(match_zone([z], c) for c in self.zones)]
+        self._in_zones, self._in_state = _under(self.zones), _under(self.state_zones)
         self.clock = clock
         self.zones_label = ",".join(opts.zones)
         self._main = _Stores(opts, self._now)
@@ -292,7 +304,7 @@ class Cache(Plugin):
     # -- the contract ------------------------------------------------------------------------
 
     def transparent(self, qname: str, qtype: int) -> bool:
-        return match_zone(self.zones, qname) is None or match_zone(self.state_zones, qname) is not None
+        return not self._in_zones(qname) or self._in_state(qname)
 
     def on_state(self, state) -> None:
         # Called once the new state is the one answered: everything cached before is older.
@@ -331,7 +343,7 @@ class Cache(Plugin):
 
     async def serve(self, req: Request, next: Next) -> dnslib.DNSRecord:
         qname = req.qname
-        if match_zone(self.zones, qname) is None:
+        if not self._in_zones(qname):
             return await next(req)
         now = self.clock()
         server = req.server or self.server
@@ -364,7 +376,7 @@ class Cache(Plugin):
         return _to_msg(item, req.record, now, do, ad)
 
     def _stores(self, qname: str) -> _Stores:
-        if self.state_zones and match_zone(self.state_zones, qname) is not None:
+        if self._in_state(qname):
             s, gen = self._state, self._gen
             if s.gen != gen:
                 s = self._state = _Stores(self.opts, self._now, gen)
