@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import ConfigError
+from .proxy import kpconfig
 
 COMMANDS = ("agent", "dns", "proxy", "rules", "trace", "corefile", "config")
 PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
@@ -79,6 +80,19 @@ class DnsConfig:
 
 
 @dataclass(frozen=True)
+class ConntrackConfig:
+    """The conntrack sysctls written at start, as kube-proxy writes them (proxy/sysctl.py);
+    kube-proxy's defaults. 0 leaves that sysctl alone (max_per_core 0: nf_conntrack_max and min)."""
+    max_per_core: int = 32768
+    min: int = 131072
+    tcp_established_timeout: int = 86400   # whole seconds
+    tcp_close_wait_timeout: int = 3600
+    tcp_be_liberal: bool = False           # False never resets the sysctl
+    udp_timeout: int = 0
+    udp_stream_timeout: int = 0
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """The proxier and the node it programs."""
     node_name: str = ""
@@ -94,6 +108,15 @@ class ProxyConfig:
     ip_family: str = ""                    # rules: ipv4|ipv6; empty = family of first node IP
     sync_period: float = 30.0
     min_sync_period: float = 1.0
+    proxy_config: str = ""                 # kube-proxy's config file (proxy/kpconfig.py)
+    detect_local_mode: str = ""            # "" / ClusterCIDR: --cluster-cidr
+    pod_bridge_interface: str = ""
+    pod_interface_name_prefix: str = ""
+    ipvs_scheduler: str = "rr"
+    ipvs_exclude_cidrs: tuple[str, ...] = ()
+    ipvs_strict_arp: bool = False
+    conntrack: ConntrackConfig | None = None   # None: conntrack sysctls left alone
+    oom_score_adj: int | None = None
 
     @property
     def family(self) -> int:
@@ -112,6 +135,7 @@ class AgentConfig:
     lameduck_handover: float = 20.0        # lameduck goes on until a successor listens, up to this
     metrics_listen: str = "127.0.0.1:9153"
     proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
+    proxy_health_listen: str = ""          # kube-proxy's healthz address; "": /healthz on health_listen
     health_listen: str = "127.0.0.1:8080"
     ready_listen: str = ""                 # /ready on its own address (a Corefile's `ready`); "": with health
     config_file: str = ""
@@ -319,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the cluster domain (default cluster.local)")
             continue
         _add_common(p)
+        if name in ("agent", "proxy", "rules"):
+            kpconfig.add_flags(p)
         if name == "proxy":
             p.add_argument("--cleanup", action="store_true", default=argparse.SUPPRESS,
                            help="remove everything clusterdns installed, and exit")
@@ -357,7 +383,8 @@ def _from_file(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         name = aliases.get(name, name)
-        if name not in _FIELDS or name in ("demo", "config_file", "name", "from_kube_dns", "cluster_domain"):
+        if name not in _FIELDS or name in ("demo", "config_file", "name", "from_kube_dns", "cluster_domain",
+                                           "conntrack"):
             raise ConfigError(f"{path}: unknown option {key!r}")
         out[name] = value
     return out
@@ -427,7 +454,8 @@ def _validate(cfg: Config) -> Config:
     for flag, n in (("--memo-size", dns.memo_size), ("--memo-probation", dns.memo_probation)):
         if not 0 <= n <= 10_000_000:
             err(f"{flag} {n}: must be between 0 and 10000000")
-    for name in ("metrics_listen", "proxy_metrics_listen", "health_listen", "ready_listen"):
+    for name in ("metrics_listen", "proxy_metrics_listen", "health_listen", "ready_listen",
+                 "proxy_health_listen"):
         for v in options[name].split(",") if name == "ready_listen" else [options[name]]:
             if v and v != "none":
                 parse_hostport(v, 0)
@@ -481,6 +509,7 @@ def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     values.update(flags)
     if values.get("corefile"):
         values["corefile_flags"] = _corefile_flags(values)
+    values = kpconfig.apply(values)
     if "fallthrough" in values and values["fallthrough"] is not None:
         values["fallthrough"] = tuple(values["fallthrough"])
     try:
@@ -504,4 +533,6 @@ def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         cfg = cfg.with_options(node_name=px.node_name or DEMO_NODE[0], node_ips=px.node_ips or DEMO_NODE[1],
                                cluster_cidrs=px.cluster_cidrs or DEMO_NODE[2],
                                service_cidrs=px.service_cidrs or DEMO_NODE[3])
+    if cfg.proxy.proxy_config and not cfg.proxy.node_name:
+        cfg = cfg.with_options(node_name=kpconfig.default_hostname())   # kube-proxy's fallback
     return _validate(cfg)

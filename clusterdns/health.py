@@ -2,6 +2,8 @@
 
 - --health-listen: /health, /ready and the routes components add (the proxier's
   /healthz and /livez). No /metrics.
+- --healthz-bind-address (proxy role; kube-proxy's healthzBindAddress): /healthz
+  and /livez only, retried like the proxy metrics listener when its own.
 - --metrics-listen (DNS role): /metrics with the coredns_* registry (CoreDNS's :9153).
 - --proxy-metrics-listen (proxy role): /metrics with the kubeproxy_* registry
   (kube-proxy's :10249), and /proxyMode (the mode, as kube-proxy answers it). The shared series (rest_client_*, clusterdns_*) go
@@ -50,6 +52,7 @@ class Listener:
     optional: bool = False    # a bind failure is retried, not raised
     proxy_mode: str = ""      # served at /proxyMode, as kube-proxy's metrics server does
     ready: bool = False       # /ready alone (a Corefile's `ready` on its own address)
+    paths: tuple[str, ...] = ()   # without `health`: only these added routes (kube-proxy's healthz server)
 
     @property
     def shown(self) -> str:
@@ -78,6 +81,10 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
             r.ready = True
             r.kinds.append("ready")
     proxy = at(cfg.agent.proxy_metrics_listen) if "proxy" in roles else None
+    healthz = at(cfg.agent.proxy_health_listen) if "proxy" in roles else None
+    if healthz is not None:
+        healthz.paths = ("/healthz", "/livez")
+        healthz.kinds.append("proxy-health")
     dns = at(cfg.agent.metrics_listen) if "dns" in roles else None
     if dns is not None:
         dns.registries.append(metrics.DNS)
@@ -90,6 +97,8 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
         proxy.optional = proxy.kinds == ["proxy-metrics"]
     elif dns is not None:
         dns.registries.append(metrics.SHARED)
+    if healthz is not None:
+        healthz.optional = healthz.kinds == ["proxy-health"]
     return list(out.values())
 
 
@@ -161,10 +170,11 @@ class HealthServer:
 
     def _app(self, listener: Listener) -> web.Application:
         app = web.Application()
-        if listener.health:
+        if listener.health or listener.paths:
             for path, handler in self._routes.items():
-                app.router.add_get(path, handler)
-        elif listener.ready:
+                if listener.health or path in listener.paths:
+                    app.router.add_get(path, handler)
+        if listener.ready and not listener.health:
             app.router.add_get("/ready", self._ready)
         if listener.registries:
             app.router.add_get("/metrics", self._metrics_handler(listener.registries))

@@ -8,8 +8,7 @@ keyed on those ipsets masquerade and filter. `render` is pure and returns the
 ipvsadm-restore, `ipset restore` and iptables-restore inputs. This kernel
 has no IPVS module, so the configuration is unit-tested, not run.
 
-Differences from kube-proxy (docs/proxy.md): the scheduler is a keyword
-argument (kube-proxy's --ipvs-scheduler, default rr); KUBE-IPVS-OUT-FILTER is
+Differences from kube-proxy (docs/proxy.md): KUBE-IPVS-OUT-FILTER is
 created and jumped to but left empty.
 """
 from __future__ import annotations
@@ -153,7 +152,8 @@ def set_name(name: str, family: int) -> str:
     return name
 
 
-def render(state: ClusterState, cfg: Config, family: int = 4, *, scheduler: str = "rr") -> IpvsConfig:
+def render(state: ClusterState, cfg: Config, family: int = 4, *, scheduler: str = "") -> IpvsConfig:
+    scheduler = scheduler or cfg.proxy.ipvs_scheduler   # kube-proxy's ipvs.scheduler, "" -> rr
     if scheduler not in SCHEDULERS:
         raise ValueError(f"unknown IPVS scheduler {scheduler!r}: one of {', '.join(SCHEDULERS)}")
     with gc_paused():
