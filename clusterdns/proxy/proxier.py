@@ -412,6 +412,11 @@ class Proxier:
 
     async def run(self) -> None:
         """Sync until stop(). The first sync runs as soon as the state is synced."""
+        if self.applying and self.backends:
+            # kube-proxy's start-up host settings (conntrack sysctls...), before any rule;
+            # a SysctlError ends the proxier, as it ends kube-proxy
+            from .sysctl import host_setup
+            host_setup(self.cfg)
         if self.store.current.is_synced("Service", "EndpointSlice"):
             self._runner.run()
         try:
