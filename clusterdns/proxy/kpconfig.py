@@ -46,6 +46,13 @@ HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
 SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq")
 LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix", "")
+# Local-traffic detectors the rule generators do not have yet: refused, never a rule set without one.
+UNSUPPORTED_LOCAL_MODES = {
+    "NodeCIDR": "clusterdns does not read the Node's spec.podCIDRs; use ClusterCIDR with clusterCIDR",
+    "BridgeInterface": "clusterdns's rules match local traffic by source CIDR only; use ClusterCIDR with clusterCIDR",
+    "InterfaceNamePrefix": "clusterdns's rules match local traffic by source CIDR only; use ClusterCIDR "
+                           "with clusterCIDR",
+}
 # The release whose behaviour is reproduced (showHiddenMetricsForVersion accepts its previous minor).
 KUBE_MINOR = (1, 35)
 
@@ -712,9 +719,9 @@ def aggregate(errs: list[str]) -> str:
 def refusals(kp: KubeProxyConfig) -> list[str]:
     """Fields kube-proxy would honour that clusterdns cannot: refused, not skipped."""
     t, out = kp.tree, []
-    if kp.detect_local_mode == "NodeCIDR":
-        out.append(f'{ROOT}.DetectLocalMode: Unsupported value: "NodeCIDR": clusterdns does not read the '
-                   "Node's spec.podCIDRs; use ClusterCIDR with clusterCIDR, BridgeInterface or InterfaceNamePrefix")
+    if kp.detect_local_mode in UNSUPPORTED_LOCAL_MODES:
+        out.append(f"{ROOT}.DetectLocalMode: Unsupported value: {_go_value(kp.detect_local_mode)}: "
+                   f"{UNSUPPORTED_LOCAL_MODES[kp.detect_local_mode]}")
     sched = t["ipvs"]["scheduler"]
     if kp.mode == "ipvs" and sched and sched not in SCHEDULERS:
         out.append(not_supported(f"{ROOT}.KubeProxyIPVSConfiguration.Scheduler", sched, SCHEDULERS))
@@ -900,8 +907,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     a("--ipvs-scheduler", default=S, metavar="NAME", help="IPVS scheduler (default rr)")
     a("--ipvs-exclude-cidrs", action="append", default=S, metavar="CIDR[,CIDR]",
       help="IPVS services in these CIDRs are never removed")
-    a("--detect-local-mode", default=S, metavar="MODE", help="ClusterCIDR (--cluster-cidr), BridgeInterface "
-      "or InterfaceNamePrefix: how traffic from local pods is told apart")
+    a("--detect-local-mode", default=S, metavar="MODE", help="ClusterCIDR (--cluster-cidr): how traffic "
+      "from local pods is told apart (NodeCIDR, BridgeInterface, InterfaceNamePrefix are refused)")
     a("--pod-bridge-interface", default=S, metavar="NAME", help="detect-local-mode BridgeInterface: the bridge")
     a("--pod-interface-name-prefix", default=S, metavar="PREFIX",
       help="detect-local-mode InterfaceNamePrefix: the prefix of pod interfaces")
@@ -972,13 +979,12 @@ def _check_flag_values(values: dict[str, Any]) -> None:
     mode = values.get("detect_local_mode", "")
     if mode and mode not in LOCAL_MODES:
         raise KubeProxyConfigError(not_supported("--detect-local-mode", mode, LOCAL_MODES))
-    if mode == "NodeCIDR":
-        raise KubeProxyConfigError("--detect-local-mode NodeCIDR: not supported (clusterdns does not read "
-                                   "the Node's spec.podCIDRs); use ClusterCIDR, BridgeInterface or InterfaceNamePrefix")
     if mode == "BridgeInterface" and not values.get("pod_bridge_interface"):
         raise KubeProxyConfigError("--detect-local-mode BridgeInterface needs --pod-bridge-interface")
     if mode == "InterfaceNamePrefix" and not values.get("pod_interface_name_prefix"):
         raise KubeProxyConfigError("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix")
+    if mode in UNSUPPORTED_LOCAL_MODES:
+        raise KubeProxyConfigError(f"--detect-local-mode {mode}: not supported: {UNSUPPORTED_LOCAL_MODES[mode]}")
     sched = values.get("ipvs_scheduler")
     if sched is not None and sched not in SCHEDULERS:
         raise KubeProxyConfigError(not_supported("--ipvs-scheduler", sched, SCHEDULERS))

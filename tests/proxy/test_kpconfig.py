@@ -358,8 +358,7 @@ def test_validation_errors(body, want):
     "metricsBindAddress: '[::1]:10249'\nbindAddress: '::'",
     "clusterCIDR: 192.168.59.0/24,fd00:192:168::/64",
     "clusterCIDR: fd00:192:168:59::/64",
-    "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: vethabcde}",
-    "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: avz}",
+    "detectLocalMode: ClusterCIDR\nclusterCIDR: 10.0.0.0/8",
     "nodePortAddresses: []", "nodePortAddresses: [127.0.0.0/8]", "nodePortAddresses: [0.0.0.0/0]",
     "nodePortAddresses: ['::/0']", "nodePortAddresses: [127.0.0.1/32, 1.2.3.0/24]",
     "nodePortAddresses: ['::1/128']", "nodePortAddresses: [10.20.0.0/16, 100.200.0.0/16]",
@@ -386,6 +385,10 @@ def test_several_errors_are_one_line_in_kube_proxys_aggregate_form():
 
 def test_what_clusterdns_cannot_do_is_refused_with_the_field():
     assert "DetectLocalMode: Unsupported value: \"NodeCIDR\"" in error_of("detectLocalMode: NodeCIDR\n")
+    assert 'DetectLocalMode: Unsupported value: "BridgeInterface"' in \
+        error_of("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\n")
+    assert 'DetectLocalMode: Unsupported value: "InterfaceNamePrefix"' in \
+        error_of("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n")
     assert 'KubeProxyIPVSConfiguration.Scheduler: Unsupported value: "foo"' in \
         error_of("mode: ipvs\nipvs: {scheduler: foo}\n")
 
@@ -524,6 +527,9 @@ def test_kube_proxy_flags_become_options():
     (["--ipvs-scheduler", "fifo"], 'Unsupported value: "fifo"'),
     (["--detect-local-mode", "Guess"], 'Unsupported value: "Guess"'),
     (["--detect-local-mode", "BridgeInterface"], "needs --pod-bridge-interface"),
+    (["--detect-local-mode", "NodeCIDR"], "--detect-local-mode NodeCIDR: not supported"),
+    (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"],
+     "--detect-local-mode InterfaceNamePrefix: not supported"),
     (["--conntrack-min", "-1"], "--conntrack-min: must be greater than or equal to 0"),
     (["--healthz-bind-address", "nowhere"], "must be IP:port"),
     (["--oom-score-adj", "5000"], "--oom-score-adj 5000"),
