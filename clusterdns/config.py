@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rules": "print the rules the proxier would apply, and exit",
         "trace": "follow one name through DNS and the rules",
         "corefile": "print the Corefile a kube-dns ConfigMap translates to, and exit",
-        "config": "check a configuration (--corefile) and print what it makes effective",
+        "config": "check a configuration (--corefile, --proxy-config) and print what it makes effective",
     }
     for name in COMMANDS:
         p = sub.add_parser(name, help=helps[name], description=helps[name])
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the cluster domain (default cluster.local)")
             continue
         _add_common(p)
-        if name in ("agent", "proxy", "rules"):
+        if name in ("agent", "proxy", "rules", "config"):
             kpconfig.add_flags(p)
         if name == "proxy":
             p.add_argument("--cleanup", action="store_true", default=argparse.SUPPRESS,
@@ -525,7 +525,7 @@ def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     src = cfg.source
     kube = src.kubeconfig or env.get("KUBECONFIG", "") or (
         "in-cluster" if env.get("KUBERNETES_SERVICE_HOST") else "")
-    demo = not src.manifest and not kube
+    demo = not src.manifest and not kube and command != "config"
     cfg = cfg.with_options(kubeconfig="" if src.manifest else kube, demo=demo)
     if demo:
         # The demo cluster's own node, so local endpoints and masquerade rules show.

@@ -1014,6 +1014,7 @@ def apply(values: dict[str, Any]) -> dict[str, Any]:
         _check_flag_values(values)
         return values
     kp = load(path)
+    _LOADED[path] = kp
     ignored = sorted({COVERED[k] for k in values if k in COVERED})
     if ignored:
         log.warning("--proxy-config %s: ignoring %s (kube-proxy ignores its flags beside --config, "
@@ -1029,6 +1030,14 @@ def apply(values: dict[str, Any]) -> dict[str, Any]:
     if level >= 4 and "log_level" not in values:
         values["log_level"] = "debug"
     return values
+
+
+_LOADED: dict[str, KubeProxyConfig] = {}
+
+
+def loaded(path: str) -> KubeProxyConfig:
+    """The file apply() read (config check reports it without decoding and warning twice)."""
+    return _LOADED[path] if path in _LOADED else load(path)
 
 
 def default_hostname() -> str:
