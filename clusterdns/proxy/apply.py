@@ -10,6 +10,7 @@ ApplyError carrying the tool's own stderr when it refuses the input.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -282,18 +283,21 @@ def _ipvs_table(text: str) -> dict[tuple[str, str], tuple[str, dict[str, str]]]:
     return out
 
 
-def ipvs_diff(current: str, desired: str, ours: set[str] | None = None) -> str:
+def ipvs_diff(current: str, desired: str, ours: set[str] | None = None, exclude: tuple[str, ...] = ()) -> str:
     """ipvsadm-restore input turning `current` into `desired`, touching only
-    virtual servers in `desired` or on addresses in `ours` (kube-ipvs0's).
+    virtual servers in `desired` or on addresses in `ours` (kube-ipvs0's), and
+    never deleting one on an address in `exclude` (kube-proxy's ipvs.excludeCIDRs).
 
     ipvsadm-restore only adds, so re-applying a whole table fails on the
     first existing service; this edits in place instead (-E/-e keep the
     connections of services that stay)."""
     have, want = _ipvs_table(current), _ipvs_table(desired)
     ours = ours or set()
+    nets = [ipaddress.ip_network(c, strict=False) for c in exclude]
     out: list[str] = []
     for key, (_, reals) in have.items():
-        if key not in want and key[1].rsplit(":", 1)[0].strip("[]") in ours:
+        addr = key[1].rsplit(":", 1)[0].strip("[]")
+        if key not in want and addr in ours and not any(ipaddress.ip_address(addr) in n for n in nets):
             out.append(f"-D {key[0]} {key[1]}")
     for key, (svc_line, reals) in want.items():
         if key not in have:
@@ -357,8 +361,9 @@ class IpvsExecutor:
         for ip in sorted(have - want):
             await self.runner.run(["ip", "addr", "del", f"{ip}/{plen}", "dev", IPVS_DEVICE])
 
-    async def apply(self, config) -> None:
-        """config: an ipvs.IpvsConfig (ipvsadm, ipsets, iptables texts and the addresses).
+    async def apply(self, config, exclude: tuple[str, ...] = ()) -> None:
+        """config: an ipvs.IpvsConfig (ipvsadm, ipsets, iptables texts and the addresses);
+        exclude: CIDRs whose virtual servers are never deleted.
 
         Re-applicable: IPVS services are edited in place against `ipvsadm -S -n`,
         and jumps the iptables text inserts are skipped when already there."""
@@ -366,7 +371,7 @@ class IpvsExecutor:
         if config.ipsets:
             _check(await self.runner.run(["ipset", "restore", "-exist"], config.ipsets))
         current = _check(await self.runner.run(["ipvsadm", "-S", "-n"])).stdout
-        changes = ipvs_diff(current, config.ipvsadm, set(config.addresses))
+        changes = ipvs_diff(current, config.ipvsadm, set(config.addresses), exclude)
         if changes:
             _check(await self.runner.run(["ipvsadm-restore"], changes))
         if config.iptables:

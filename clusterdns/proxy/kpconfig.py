@@ -788,7 +788,7 @@ def hostname(value: str) -> str:
     """kube-proxy's hostname override: trimmed and lower-cased; whitespace only is an error."""
     name = value.strip().lower()
     if value and not name:
-        raise KubeProxyConfigError("empty hostname-override is invalid")
+        raise KubeProxyConfigError("--hostname-override: empty hostname-override is invalid")
     return name
 
 
@@ -877,7 +877,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
       help="kube-proxy's configuration file (KubeProxyConfiguration, or the kube-proxy ConfigMap); "
            "beside it the proxy flags are ignored, as kube-proxy ignores its flags beside --config, "
            "except --node-name/--hostname-override and logging")
-    a("--hostname-override", dest="node_name", metavar="NAME", default=S, type=str,
+    a("--hostname-override", dest=_KP + "hostname_override", metavar="NAME", default=S,
       help="kube-proxy's spelling of --node-name (trimmed, lower-cased)")
     for name, kind, what in (
             ("bind-address", str, "a specific IP is the node's IP; 0.0.0.0 or :: use the Node object"),
@@ -930,6 +930,8 @@ def _from_kube_proxy_flags(values: dict[str, Any]) -> dict[str, Any]:
     kp = {k[len(_KP):]: values.pop(k) for k in [k for k in values if k.startswith(_KP)]}
     out: dict[str, Any] = {}
     mode = values.get("proxy_mode", "iptables")
+    if "hostname_override" in kp:
+        out["node_name"] = hostname(kp["hostname_override"])
     if "bind_address" in kp:
         ip = _parse_ip(kp["bind_address"])
         if ip is None:

@@ -321,7 +321,7 @@ class IpvsBackend:
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import ipvs
         config = await asyncio.to_thread(ipvs.render, state, self.cfg, self.family)
-        await self.exe.apply(config)
+        await self.exe.apply(config, self.cfg.proxy.ipvs_exclude_cidrs)
         # what every IPVS iptables text declares and inserts (fixed; no need to read it back)
         self.kept = {t: set(chains) for t, chains in ipvs.CHAINS.items()}
         self.wanted_jumps = set(ipvs.JUMP_RULES)

@@ -515,6 +515,10 @@ def test_kube_proxy_flags_become_options():
     assert (cfg.agent.proxy_health_listen, cfg.agent.proxy_metrics_listen) == ("127.0.0.1:10256", "0.0.0.0:10249")
     assert px.cluster_cidrs == ("10.42.0.0/16", "fd00:42::/56") and px.node_name == "node1"
     assert px.oom_score_adj == -500
+    # lower-cased as kube-proxy does, and winning over NODE_NAME as a flag does
+    cfg = load(["proxy", "--manifest", "clusterdns/demo/cluster.yaml", "--hostname-override", " Node-B "],
+               env={"NODE_NAME": "node-c"})
+    assert cfg.proxy.node_name == "node-b"
     # the iptables pair is read outside ipvs mode (nftables too)
     cfg = load(["proxy", "--manifest", "clusterdns/demo/cluster.yaml", "--proxy-mode", "nftables",
                 "--iptables-sync-period", "20s", "--iptables-min-sync-period", "2s"], env={})
@@ -533,6 +537,7 @@ def test_kube_proxy_flags_become_options():
     (["--conntrack-min", "-1"], "--conntrack-min: must be greater than or equal to 0"),
     (["--healthz-bind-address", "nowhere"], "must be IP:port"),
     (["--oom-score-adj", "5000"], "--oom-score-adj 5000"),
+    (["--hostname-override", "  "], "empty hostname-override is invalid"),
     (["--ipvs-exclude-cidrs", "10.0.0.0/8,bad"], '"bad": must be a valid CIDR'),
 ])
 def test_bad_kube_proxy_flags(argv, needle):

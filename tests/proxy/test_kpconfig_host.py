@@ -234,3 +234,14 @@ def test_read_only_nf_conntrack_max_in_a_netns_is_fatal_unless_left_alone(tmp_pa
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
+
+
+def test_ipvs_exclude_cidrs_are_never_deleted():
+    """ipvs.excludeCIDRs: a virtual server there that the rules no longer want is left in place."""
+    from clusterdns.proxy.apply import ipvs_diff
+    current = ("-A -t 10.96.0.1:443 -s rr\n-a -t 10.96.0.1:443 -r 192.168.0.2:6443 -m -w 1\n"
+               "-A -t 10.100.0.5:80 -s rr\n-A -t 10.96.0.9:80 -s rr\n")
+    desired = "-A -t 10.96.0.1:443 -s rr\n-a -t 10.96.0.1:443 -r 192.168.0.2:6443 -m -w 1\n"
+    ours = {"10.96.0.1", "10.100.0.5", "10.96.0.9"}
+    assert ipvs_diff(current, desired, ours) == "-D -t 10.100.0.5:80\n-D -t 10.96.0.9:80\n"
+    assert ipvs_diff(current, desired, ours, ("10.100.0.0/16",)) == "-D -t 10.96.0.9:80\n"
