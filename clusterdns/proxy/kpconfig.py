@@ -165,7 +165,13 @@ def format_duration(ns: int) -> str:
 
 # ------------------------------------------------------------------ YAML reading
 
+_YAML: tuple | None = None
+
+
 def _yaml():
+    global _YAML
+    if _YAML is not None:
+        return _YAML
     # imported only when a file is read: PyYAML costs ~20 ms of every start
     import yaml
 
@@ -173,7 +179,8 @@ def _yaml():
         """A mapping that remembers the keys given twice (the strict decoder's duplicate fields)."""
         dups: list[str]
 
-    class Loader(yaml.SafeLoader):
+    # libyaml's parser when built with it (several times faster), the same constructors
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
         pass
 
     def mapping(loader, node, deep=False):
@@ -193,7 +200,8 @@ def _yaml():
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     # a timestamp-looking scalar stays the string sigs.k8s.io/yaml hands the JSON decoder
     Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
-    return yaml, Loader
+    _YAML = (yaml, Loader)
+    return _YAML
 
 
 def _documents(text: str, path: str) -> list[Any]:
@@ -1019,8 +1027,9 @@ def apply(values: dict[str, Any]) -> dict[str, Any]:
     _LOADED[path] = kp
     ignored = sorted({COVERED[k] for k in values if k in COVERED})
     if ignored:
-        log.warning("--proxy-config %s: ignoring %s (kube-proxy ignores its flags beside --config, "
-                    "except the hostname override and logging)", path, ", ".join(ignored))
+        log.warning("--proxy-config %s: ignoring the proxy settings given beside it (flags or --config): %s "
+                    "(kube-proxy ignores its flags beside --config, except the hostname override and logging)",
+                    path, ", ".join(ignored))
     unused = not_applied(kp)
     if unused:
         log.warning("%s: not applied by clusterdns: %s", kp.source, "; ".join(unused))
