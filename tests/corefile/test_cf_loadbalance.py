@@ -1,8 +1,11 @@
 """loadbalance (clusterdns/corefile/plugins/loadbalance.py), pinned to coredns/coredns
 plugin/loadbalance: README.md, loadbalance_test.go (TestLoadBalance's sorted-sections table,
-TestLoadBalanceXFR), setup.go (policies, `prefer`), prefer.go."""
+TestLoadBalanceXFR), setup.go (policies, `prefer`, `reload`), prefer.go, weighted.go (the weight file,
+the weighted pick of the top address, reloads)."""
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import random
 from collections import Counter
 
@@ -170,8 +173,13 @@ def test_transparent_and_describe():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("loadbalance weighted /etc/coredns/weights", "weighted policy is not supported"),
-    ("loadbalance weighted w {\n  reload 10s\n}", "weighted policy is not supported"),
+    ("loadbalance weighted", "missing weight file argument"),
+    ("loadbalance weighted a b", "unexpected argument(s)"),
+    ("loadbalance weighted /nonexistent/weights {\n  reload 0s\n}", "weight file open error: /nonexistent/weights"),
+    ("loadbalance weighted /nonexistent/weights {\n  reload\n}", "reload duration value is missing"),
+    ("loadbalance weighted /nonexistent/weights {\n  reload 1s 2s\n}", "unexpected argument"),
+    ("loadbalance weighted /nonexistent/weights {\n  reload soon\n}", "invalid reload duration 'soon'"),
+    ("loadbalance weighted /nonexistent/weights {\n  prefer 10.0.0.0/8\n}", "unknown property 'prefer'"),
     ("loadbalance random", "unknown policy: random"),
     ("loadbalance ROUND_ROBIN", "unknown policy: ROUND_ROBIN"),
     ("loadbalance round_robin extra", "unknown property for round_robin"),
@@ -185,7 +193,7 @@ def test_setup_refuses_with_file_line(text, message):
     with pytest.raises(CorefileError) as info:
         loadbalance.setup(directive(text), ctx())
     err = str(info.value)
-    line = "2" if "\n" in text and "weighted" not in text and "extra" not in text else "1"
+    line = "2" if "\n" in text and "extra" not in text and "open error" not in message else "1"
     assert err.startswith(f"Corefile:{line}: plugin/loadbalance: "), err
     assert message in err, err
 
@@ -219,3 +227,135 @@ async def test_socket_prefer_with_the_kubernetes_plugin(tmp_path):
             r = await s.ask("testapp-headless.testapp.svc.cluster.local", "A")
             got = [rd.to_text() for rrset in r.answer for rd in rrset]
             assert got[0] == "10.161.35.3" and sorted(got) == ["10.161.35.2", "10.161.35.3", "10.161.35.4"]
+
+
+# --- weighted (weighted.go, weighted_test.go) -------------------------------------------------------
+
+WEIGHTS = """# Comment lines are ignored
+
+www.example.com
+100.64.1.1 3
+100.64.1.2 1
+100.64.1.3 2
+
+Other.Example.COM.
+fd00::1 255
+"""
+
+
+def weighted(tmp_path, text: str = WEIGHTS, block: str = "", zones=None) -> loadbalance.Weighted:
+    (tmp_path / "weights").write_text(text)
+    c = ctx()
+    c.base_dir = str(tmp_path)
+    c.state_zones = zones or []
+    p = loadbalance.setup(directive(f"loadbalance weighted weights{block}"), c)
+    assert isinstance(p, loadbalance.Weighted)
+    return p
+
+
+async def test_weighted_top_address_follows_the_weights(tmp_path):
+    p = weighted(tmp_path)
+    p.rand = random.Random(11)
+    answer = "\n".join(f"@ 5 IN A 100.64.1.{i}" for i in (1, 2, 3)) + "\n@ 5 IN A 100.64.1.9"
+    req = query("www.example.com.")
+    fixed = await Canned(answer=answer)(req)
+
+    async def same(_req):
+        return fixed
+    top = Counter()
+    for _ in range(1400):
+        reply = await p.serve(req, same)
+        got = [str(rr.rdata) for rr in reply.rr]
+        assert sorted(got) == sorted(str(rr.rdata) for rr in fixed.rr)
+        top[got[0]] += 1
+    # weights 3 : 1 : 2 and 1 for the unlisted address, of 7: 600, 200, 400, 200 expected
+    for ip, expect in (("100.64.1.1", 600), ("100.64.1.2", 200), ("100.64.1.3", 400), ("100.64.1.9", 200)):
+        assert abs(top[ip] - expect) < expect * 0.25, top
+    assert [str(rr.rdata) for rr in fixed.rr] == ["100.64.1.1", "100.64.1.2", "100.64.1.3", "100.64.1.9"]
+
+
+async def test_weighted_sections_types_and_names(tmp_path):
+    p = weighted(tmp_path)
+    p.rand = random.Random(5)
+    # AAAA by a name written in capitals, without its dot
+    answer = "@ 5 IN CNAME other.example.com.\nother.example.com. 5 IN AAAA fd00::2\nother.example.com. 5 IN AAAA fd00::1"
+    firsts = Counter()
+    for _ in range(50):
+        reply = await p.serve(query("alias.example.com.", "AAAA"), Canned(answer=answer))
+        assert reply.rr[0].rtype == CNAME
+        firsts[str(reply.rr[1].rdata)] += 1
+    assert firsts["fd00::1"] > 40          # 255 : 1
+    # SRV: the additional section's addresses; MX: left alone
+    reply = await p.serve(query("_x._tcp.example.com.", "SRV"),
+                          Canned(answer="@ 5 IN SRV 0 0 1 www.example.com.",
+                                 extra="www.example.com. 5 IN A 100.64.1.2\nwww.example.com. 5 IN A 100.64.1.1"))
+    assert len(reply.ar) == 2
+    mx = "@ 5 IN MX 1 a.example.com.\n@ 5 IN MX 2 b.example.com."
+    for _ in range(10):
+        reply = await p.serve(query("www.example.com.", "MX"), Canned(answer=mx))
+        assert [str(rr.rdata) for rr in reply.rr] == ["1 a.example.com.", "2 b.example.com."]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("100.64.1.1\n", 'Wrong domain name:"100.64.1.1"'),
+    ("www.example.com\nnot-an-ip 3\n", 'Wrong IP address:"not-an-ip"'),
+    ("www.example.com\n100.64.1.1 0\n", 'Wrong weight value:"0"'),
+    ("www.example.com\n100.64.1.1 256\n", 'Wrong weight value:"256"'),
+    ("100.64.1.1 3\n", "Missing domain name in weight file"),
+    ("www.example.com\n100.64.1.1 3 4\n", 'Could not parse weight line:"100.64.1.1 3 4"'),
+])
+def test_weight_file_errors_at_setup(tmp_path, text, message):
+    with pytest.raises(CorefileError) as info:
+        weighted(tmp_path, text)
+    assert str(info.value).startswith("Corefile:1: plugin/loadbalance: ") and message in str(info.value)
+
+
+async def test_weight_file_reload(tmp_path, capsys):
+    p = weighted(tmp_path, block=" {\n  reload 50ms\n}")
+    assert p.reload == 0.05 and p.weights["www.example.com."][ipaddress.ip_address("100.64.1.1")] == 3
+    await p.start()
+    try:
+        (tmp_path / "weights").write_text("www.example.com\n100.64.1.1 9\n")
+        await asyncio.sleep(0.3)
+        assert p.weights == {"www.example.com.": {ipaddress.ip_address("100.64.1.1"): 9}}
+        (tmp_path / "weights").write_text("www.example.com\nbroken 1\n")
+        await asyncio.sleep(0.3)
+        assert p.weights == {"www.example.com.": {ipaddress.ip_address("100.64.1.1"): 9}}   # the last good kept
+    finally:
+        await p.stop()
+    out = capsys.readouterr().out
+    assert "[INFO] plugin/loadbalance: Successfully reloaded weight file " in out
+    assert '[ERROR] plugin/loadbalance: Wrong IP address:"broken"' in out
+    assert out.count("[ERROR]") == 1          # the same broken content is not reported again and again
+
+
+def test_weight_file_missing_with_reload_warns_and_waits(tmp_path, capsys):
+    c = ctx()
+    c.base_dir = str(tmp_path)
+    p = loadbalance.setup(directive("loadbalance weighted later"), c)
+    assert isinstance(p, loadbalance.Weighted) and p.weights == {}
+    assert "[WARNING] plugin/loadbalance: Failed to open weight file:" in capsys.readouterr().out
+    (tmp_path / "later").write_text(WEIGHTS)
+    assert p.load() and "www.example.com." in p.weights
+
+
+def test_weighted_transparent_for_the_memo_unless_it_weighs_a_state_name(tmp_path):
+    p = weighted(tmp_path, zones=["cluster.local."])
+    assert p.transparent("web.default.svc.cluster.local.", A)
+    q = weighted(tmp_path, "web.default.svc.cluster.local\n10.0.0.1 5\n", zones=["cluster.local."])
+    assert not q.transparent("web.default.svc.cluster.local.", A)
+    assert q.transparent("web.default.svc.cluster.local.", 16)
+    assert p.describe().endswith("reload 30s (2 names weighted)")
+
+
+async def test_socket_weighted_forwarded_answers(tmp_path):
+    records = {"www.example.org.": ["www.example.org. 30 IN A 10.0.0.1", "www.example.org. 30 IN A 10.0.0.2"]}
+    async with Upstream(records) as up:
+        text = (".:{PORT} {\n  bind 127.0.0.1\n  loadbalance weighted weights {\n    reload 0s\n  }\n"
+                f"  forward . 127.0.0.1:{up.port}\n}}\n")
+        async with CorefileServer(text, tmp_path, files={"weights": "www.example.org\n10.0.0.2 255\n"}) as s:
+            tops = Counter()
+            for _ in range(40):
+                r = await s.ask("www.example.org", "A")
+                tops[[rd.to_text() for rrset in r.answer for rd in rrset][0]] += 1
+            assert tops["10.0.0.2"] >= 36, tops      # 255 : 1
