@@ -4,6 +4,7 @@ reloads off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -422,3 +423,14 @@ def test_any_hosts_text_parses(pieces):
     for table in (t.v4, t.v6, t.ptr):
         for key, value in table.items():
             assert key and value and all(vals(table, key))
+
+
+async def test_a_file_missing_at_setup_is_read_when_it_appears(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="clusterdns.corefile.plugins.hosts")
+    h = make("hosts later {\n 10.0.0.1 inline.example\n fallthrough\n}", tmp_path)
+    assert h.check() is False
+    assert caplog.text.count("later") == 1                 # the setup warning, not one per check
+    _touch(tmp_path / "later", "10.0.0.2 file.example\n")
+    assert h.check() is True and "readable again" in caplog.text
+    assert (await ask(h, "file.example.", "A"))[1] == ["file.example. 3600 A 10.0.0.2"]
+    assert (await ask(h, "inline.example.", "A"))[1] == ["inline.example. 3600 A 10.0.0.1"]

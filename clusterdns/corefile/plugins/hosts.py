@@ -305,6 +305,7 @@ class Hosts(Plugin):
         except FileNotFoundError:
             log.warning("plugin/hosts: %s: file does not exist (serving inline entries until it appears)",
                         self.path)
+            self._read_failing = True     # said once; its return is logged
             return
         self.data = Snapshot(table, self.data.inline)
         self._stamp = stamp
