@@ -103,8 +103,7 @@ Key = tuple[str, int, bool, bool]   # qname (lower), qtype, DO, CD
 
 def effective_capacity(capacity: int) -> int:
     """What CoreDNS's sharded cache holds for CAPACITY: whole shards, at least 4 items each."""
-    per_shard = int(capacity / SHARDS)      # Go's integer division truncates toward zero
-    return SHARDS * max(MIN_SHARD, per_shard)
+    return SHARDS * max(MIN_SHARD, capacity // SHARDS)   # (a negative one: 4 per shard, as Go's)
 
 
 @dataclass
