@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+import dns.edns
 import dns.flags
 import dns.rcode
 import pytest
@@ -131,3 +132,41 @@ async def test_hosts_and_templates_in_front_of_kubernetes_take_the_names_they_an
             other = "testapp2-svc.testapp.svc.cluster.local."
             r = await s.ask(other, "A")
             assert r.rcode() == dns.rcode.NOERROR and r.answer and r.answer[0].ttl == 5   # kubernetes'
+
+
+async def test_a_template_with_ederror_over_the_wire(tmp_path):
+    text = (".:{PORT} {\n    bind 127.0.0.1\n    template ANY ANY invalid {\n        rcode NXDOMAIN\n"
+            '        authority "invalid. 60 {{ .Class }} SOA ns.invalid. hostmaster.invalid. (1 60 60 60 60)"\n'
+            '        ederror 21 "Blocked according to RFC2606"\n    }\n}\n')
+    async with CorefileServer(text, tmp_path) as s:
+        r = await s.ask("x.invalid.", "A", use_edns=0)
+        assert r.rcode() == dns.rcode.NXDOMAIN
+        assert [rr.to_text() for rr in r.authority] == [
+            "invalid. 60 IN SOA ns.invalid. hostmaster.invalid. 1 60 60 60 60"]
+        assert [(o.code, o.text) for o in r.options if o.otype == dns.edns.EDE] == [
+            (21, "Blocked according to RFC2606")]
+        r = await s.ask("x.invalid.", "A")                     # no EDNS in the query: no OPT back
+        assert r.rcode() == dns.rcode.NXDOMAIN and r.edns < 0
+
+
+async def test_aks_localdns_corefile_hosts_and_templates_on_both_listeners(tmp_path, upstream):
+    # its two .:53 blocks bind the node (169.254.10.10) and cluster (169.254.10.11) listeners:
+    # here 127.0.0.10 and 127.0.0.11 (loopback), every upstream the stub
+    text = (REAL / "aks-localdns.corefile").read_text()
+    text = re.sub(r"\n\s*(ready|prometheus)\b[^\n]*", "", text)
+    text = text.replace("169.254.10.10", "127.0.0.10").replace("169.254.10.11", "127.0.0.11")
+    text = text.replace(":53 {", ":{PORT} {").replace("/etc/localdns/hosts", "localdns-hosts")
+    for target in ("168.63.129.16", "10.0.0.10"):
+        text = text.replace(f"forward . {target}", f"forward . 127.0.0.1:{upstream.port}")
+    hosts = "20.61.99.192 mcr.microsoft.com\n2603:1061:f:101::10 mcr.microsoft.com\n"
+    async with CorefileServer(text, tmp_path, files={"localdns-hosts": hosts}) as s:
+        for host in ("127.0.0.10", "127.0.0.11"):
+            r = await s.ask("MCR.microsoft.com.", "A", host=host)
+            assert answers(r) == ["mcr.microsoft.com. A 20.61.99.192"] and r.answer[0].ttl == 5
+            r = await s.ask("mcr.microsoft.com.", "AAAA", host=host)
+            assert answers(r) == ["mcr.microsoft.com. AAAA 2603:1061:f:101::10"]
+            r = await s.ask("reddog.microsoft.com.", "A", host=host)
+            assert r.rcode() == dns.rcode.NXDOMAIN and r.flags & dns.flags.AA
+            r = await s.ask("example.com.", "A", host=host)
+            assert answers(r) == ["example.com. A 93.184.216.34"]
+        assert not any(q[1] in ("mcr.microsoft.com.", "reddog.microsoft.com.") for q in upstream.received)
