@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import re
 
+import dns.message
 import dns.rcode
+import dns.rrset
 import dnslib
 import pytest
 
@@ -66,6 +68,10 @@ def refused(text: str) -> str:
     "rewrite rcode suffix .a.b 3 0",
     "rewrite stop {\n  name regex foo bar\n  answer name bar foo\n}",
     "rewrite edns0 local set 65518 abcdefg",
+    "rewrite cname a.com. b.com.",
+    "rewrite continue cname exact a.com. b.com.",
+    "rewrite cname suffix .cdn.example. .svc.cluster.local.",
+    r"rewrite cname regex (.*)\.cdn\.example\. {1}.svc.cluster.local.",
     "rewrite edns0 local set 0xffee abcdefg",
     "rewrite edns0 local append 0xffee abcdefg",
     "rewrite edns0 local replace 0xffee abcdefg",
@@ -141,7 +147,10 @@ def test_setup_accepts(text):
     ("rewrite edns0 subnet set 33 56", "invalid IPv4 bit mask length 33"),
     ("rewrite edns0 subnet set 24 129", "invalid IPv6 bit mask length 129"),
     ("rewrite unknown-action edns0 local set 0xffee abcedef", "invalid rule type 'unknown-action'"),
-    ("rewrite cname exact a.com. b.com.", "cname rules are not supported"),
+    ("rewrite cname a.com.", "too few (1) arguments for a cname rule"),
+    ("rewrite cname exact a.com. b.com. c.com.", "too few (4) arguments for a cname rule"),
+    ("rewrite cname fuzzy a.com. b.com.", "unknown cname rewrite type: fuzzy"),
+    ("rewrite cname regex (a b.", "invalid regex matching pattern"),
     ("rewrite ttl srv1.coredns.rocks 12345678901234567890", "invalid TTL '12345678901234567890'"),
     ("rewrite ttl srv1.coredns.rocks coredns.rocks", "invalid TTL 'coredns.rocks'"),
     ("rewrite ttl srv1.coredns.rocks -", "invalid TTL '-'"),
@@ -452,6 +461,52 @@ def test_edns0_is_never_transparent():
     assert not plug("rewrite edns0 nsid set").transparent("web.default.svc.cluster.local.", 1)
 
 
+# --- cname (cname_target_test.go) ------------------------------------------------------------------
+
+class FakeBlock:
+    """req.data['block'].run: what the server block answers for a cname rule's new target."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers, self.asked = answers, []
+
+    async def run(self, req):
+        self.asked.append((str(req.record.q.qname), req.record.q.qtype))
+        return await Canned(answer=self.answers.get(str(req.record.q.qname), ""))(req)
+
+
+@pytest.mark.parametrize("rule, target, new", [
+    ("exact cname.test.com. target.test.com.", "cname.test.com.", "target.test.com."),
+    ("prefix cname target", "cname.test.com.", "target.test.com."),
+    ("suffix .example.org. .test.com.", "target.example.org.", "target.test.com."),
+    ("substring -ext. -int.", "svc-ext.test.com.", "svc-int.test.com."),
+    (r"regex (.*)\.cdn\.(.*)\. {1}.{2}.", "img.cdn.test.com.", "img.test.com."),
+])
+async def test_cname_target_rewrite(rule, target, new):
+    p = plug(f"rewrite cname {rule}")
+    block = FakeBlock({new: f"{new} 30 IN A 10.0.0.9\nother.test. 30 IN A 10.0.0.8"})
+    req = query("www.example.com.")
+    req.data["block"] = block
+    reply = await p.serve(req, Canned(answer=f"@ 30 IN CNAME {target}\n{target} 30 IN A 192.0.2.1"))
+    assert block.asked == [(new, 1)]
+    assert [(str(rr.rname), rr.rtype, str(rr.rdata)) for rr in reply.rr] == [
+        ("www.example.com.", 5, new), (new, 1, "10.0.0.9")]
+
+
+async def test_cname_rule_leaves_other_targets_and_its_own_lookup_alone():
+    p = plug("rewrite cname exact cname.test.com. target.test.com.")
+    block = FakeBlock({})
+    req = query("www.example.com.")
+    req.data["block"] = block
+    reply = await p.serve(req, Canned(answer="@ 30 IN CNAME other.test.com.\nother.test.com. 30 IN A 192.0.2.1"))
+    assert block.asked == [] and [str(rr.rdata) for rr in reply.rr] == ["other.test.com.", "192.0.2.1"]
+    assert not p.transparent("www.example.com.", 1)       # it takes every query
+    req = query("target.test.com.")
+    req.data["rewrite.cname_lookup"] = True
+    last = Canned(answer="@ 30 IN CNAME cname.test.com.")
+    reply = await p.serve(req, last)
+    assert str(reply.rr[0].rdata) == "cname.test.com."
+
+
 # --- ttl and rcode ----------------------------------------------------------------------------------
 
 TTL_RULES = [
@@ -643,3 +698,21 @@ async def test_socket_edns0_local_option_reaches_the_upstream(tmp_path):
             r = await s.ask("a.example.org", "A")
             assert answers(r) == ["a.example.org. A 10.0.0.1"]
     assert options(seen[0]) == [(0xFFEE, bytes([127, 0, 0, 1]))]
+
+
+async def test_socket_cname_target_into_the_cluster_zone(tmp_path):
+    # the stub's CNAME points at a CDN name; the rule sends it to the Service, which the block answers
+    async with Upstream() as up:
+        def cname(wire, proto):
+            q = dns.message.from_wire(wire)
+            r = dns.message.make_response(q)
+            r.answer.append(dns.rrset.from_text(q.question[0].name, 30, "IN", "CNAME", "testapp-svc.cdn.example."))
+            return r.to_wire()
+        up.answer = cname
+        text = (".:{PORT} {\n  bind 127.0.0.1\n"
+                "  rewrite cname suffix .cdn.example. .testapp.svc.cluster.local.\n"
+                f"  kubernetes cluster.local\n  forward . 127.0.0.1:{up.port}\n}}\n")
+        async with CorefileServer(text, tmp_path) as s:
+            r = await s.ask("www.example.org", "A")
+            assert answers(r) == ["www.example.org. CNAME testapp-svc.testapp.svc.cluster.local.",
+                                  "testapp-svc.testapp.svc.cluster.local. A 172.20.36.232"]

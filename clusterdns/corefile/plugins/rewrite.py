@@ -4,22 +4,25 @@
     rewrite [continue|stop] type FROM TO | class FROM TO
     rewrite [continue|stop] ttl [exact|prefix|suffix|substring|regex] NAME TTL|MIN-MAX|MIN-|-MAX
     rewrite [continue|stop] rcode [exact|prefix|suffix|substring|regex] NAME FROM TO
+    rewrite [continue|stop] cname [exact|prefix|suffix|substring|regex] FROM TO
     rewrite [continue|stop] edns0 local|nsid|subnet set|replace|append [CODE DATA | V4BITS V6BITS]
     rewrite [continue|stop] { LINES }      (the lines are read as one rule, as CoreDNS joins them)
 
 Semantics are coredns/coredns plugin/rewrite's: names are matched lower-cased and fully
 qualified (FROM and TO of exact/prefix/suffix/substring get a trailing dot, so they replace text,
 not labels: `suffix a.com b.com` also turns `xa.com.` into `xb.com.`); regexes are RE2 (Go's
-syntax, linear time), a regex TO takes `{N}`
-groups; the first matching `stop` rule ends the list, `continue` rules go on. `exact` rules
-always map the answer back; `answer auto` does it for the other kinds. The reply's question is
-the client's again, whatever was rewritten. `edns0` sets, replaces or appends a `local`
-(CODE and DATA, or one of the request variables), `nsid` or `subnet` option of the query (no
-metadata labels: clusterdns has no metadata plugin). `cname` rules are refused at setup.
+syntax, linear time), a regex TO takes `{N}` groups; the first matching `stop` rule ends the
+list, `continue` rules go on. `exact` rules always map the answer back; `answer auto` does it
+for the other kinds. The reply's question is the client's again, whatever was rewritten.
+A `cname` rule (it matches every query) swaps a reply's CNAME target for TO and answers with
+what the server block itself answers for TO (CoreDNS asks its whole server). `edns0` sets,
+replaces or appends a `local` (CODE and DATA, or one of the request variables), `nsid` or
+`subnet` option of the query (no metadata labels: clusterdns has no metadata plugin).
 """
 from __future__ import annotations
 
 import ipaddress
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -27,6 +30,7 @@ import dnslib
 
 from ..plugin import SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, fqdn
 from ..syntax import CorefileError, Directive, Token
+from . import _coredns
 from ._coredns import CLASS_BY_NAME, RCODE_BY_NAME, class_name, go_regexp, type_by_name, type_name
 
 STOP, CONTINUE = "stop", "continue"
@@ -88,6 +92,9 @@ class RespRule:
 
     def on_reply(self, reply: dnslib.DNSRecord) -> None:
         """Rewrite the reply as a whole."""
+
+    async def lookup(self, reply: dnslib.DNSRecord, req: Request) -> None:
+        """Rewrite the reply with what another query through the block answers (cname)."""
 
 
 @dataclass
@@ -351,7 +358,7 @@ def new_rule(toks: list[Token]) -> Rule:
     if rtype == "edns0":
         return _edns0_rule(mode, rest, rest_toks, kind_tok)
     if rtype == "cname":
-        raise _RuleError("cname rules are not supported by clusterdns", kind_tok)
+        return _cname_rule(mode, rest, rest_toks, kind_tok)
     raise _RuleError(f"invalid rule type {args[0]!r}", toks[0])
 
 
@@ -470,6 +477,100 @@ def _rcode_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rul
     if new > 15 or old > 15:
         raise _RuleError("extended RCODEs (above 15) are not supported by clusterdns", toks[-1])
     return ReplyRule(mode, "rcode", match, RcodeResp(old, new), f"{old_s} {new_s}")
+
+
+# --- cname (cname_target.go) -----------------------------------------------------------------
+
+_LOOKUP = "rewrite.cname_lookup"   # req.data: a cname rule's own lookup (no cname rules for it)
+CNAME = 5
+
+
+@dataclass
+class CnameRule(Rule):
+    """Every reply's CNAME whose target matches: the answer becomes the CNAMEs (target TO) and what
+    the block answers for TO (CoreDNS asks its server through the upstream package)."""
+    kind: str
+    frm: str
+    to: str
+    pattern: Any = None
+
+    def apply(self, st: _State) -> list[RespRule] | None:
+        if st.req is not None and st.req.data.get(_LOOKUP):
+            return None
+        return [CnameResp(self, st.qtype)]
+
+    def target(self, cname: str) -> tuple[str, str]:
+        """getFromAndToTarget."""
+        if self.kind == "exact":
+            return self.frm, self.to
+        if self.kind == "prefix" and cname.startswith(self.frm):
+            return cname, self.to + cname[len(self.frm):]
+        if self.kind == "suffix" and cname.endswith(self.frm):
+            return cname, cname[:len(cname) - len(self.frm)] + self.to
+        if self.kind == "substring" and self.frm in cname:
+            return cname, cname.replace(self.frm, self.to)
+        if self.kind == "regex":
+            m = self.pattern.search(cname)
+            if m is not None:
+                return cname, _expand(self.to, m)
+        return "", ""
+
+    def __str__(self) -> str:
+        return f"{self.mode} cname {self.kind} {self.frm} {self.to}"
+
+
+@dataclass
+class CnameResp(RespRule):
+    rule: CnameRule
+    qtype: int
+
+    async def lookup(self, reply: dnslib.DNSRecord, req: Request) -> None:
+        for rr in reply.rr:
+            if rr.rtype != CNAME:
+                continue
+            target = str(rr.rdata.label)
+            frm, to = self.rule.target(target)
+            if target != frm or not to or not _valid_name(fqdn(to)):
+                continue
+            answers = await _ask_block(req, to, self.qtype)
+            kept = []
+            for c in reply.rr:
+                if c.rtype == CNAME:
+                    c = _shallow(c)
+                    c.rdata = dnslib.CNAME(to)
+                    kept.append(c)
+            reply.rr = kept + [a for a in answers if str(a.rname) == to]
+            return
+
+
+async def _ask_block(req: Request, name: str, qtype: int) -> list[dnslib.RR]:
+    """upstream.Lookup: the name asked through this server block's chain; [] when it fails."""
+    block = req.data.get("block")
+    run = getattr(block, "run", None)
+    if run is None:
+        return []
+    q = dnslib.DNSRecord(dnslib.DNSHeader(id=req.record.header.id, rd=1), q=dnslib.DNSQuestion(name, qtype))
+    sub = Request(record=q, client=req.client, tcp=req.tcp, server=req.server, zone=req.zone, size=req.size,
+                  data={"block": block, _LOOKUP: True})
+    try:
+        reply = await run(sub)
+    except PluginError as exc:
+        _coredns.log(logging.ERROR, f"Error upstream request {exc.reason or exc}", "rewrite")
+        return []
+    return list(reply.rr)
+
+
+def _cname_rule(mode: str, args: list[str], toks: list[Token], at: Token) -> Rule:
+    if len(args) == 2:
+        kind, frm, to = "exact", args[0].lower(), args[1].lower()
+    elif len(args) == 3:
+        kind, frm, to = args[0].lower(), args[1].lower(), args[2].lower()
+        if kind not in KINDS:
+            raise _RuleError(f"unknown cname rewrite type: {kind}", toks[0])
+    else:
+        raise _RuleError(f"too few ({len(args)}) arguments for a cname rule", at)
+    pattern = _compile(frm, to, toks[1]) if kind == "regex" else None
+    return CnameRule(mode, kind, frm, to, pattern)
 
 
 # --- EDNS0 (edns0.go) ------------------------------------------------------------------------
@@ -724,6 +825,8 @@ class Rewrite(Plugin):
                                         for section in (reply.auth, reply.rr, reply.ar))
             for r in resp:
                 r.on_reply(out)
+            for r in resp:
+                await r.lookup(out, req)
         return out
 
     def transparent(self, qname: str, qtype: int) -> bool:
