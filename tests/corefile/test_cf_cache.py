@@ -731,6 +731,7 @@ async def test_evictions_counted_at_capacity():
     ("cache 30", 9984, 9984, 30, 5, 30, 5, 0),
     ("cache {\nsuccess 5000\ndenial 2500\n}", 4864, 2304, 3600, 5, 1800, 5, 0),
     ("cache {\nsuccess 9984 30\ndenial 9984 5\n}", 9984, 9984, 30, 5, 5, 5, 0),
+    ("cache {\nsuccess -5\ndenial 100000\n}", 1024, 99840, 3600, 5, 1800, 5, 0),   # Go: -5/256 = 0 -> 4
 ])
 def test_setup_values(text, pcap, ncap, pttl, minp, nttl, minn, prefetch):
     plugin, _ = make(text)
