@@ -329,6 +329,10 @@ def test_parse_rr_reads_records_as_miekg_newrr():
     for bad in ("test.example.", "x. 60 IN A 300.1.1.1", "x. 60 IN A 1.2.3.4 junk", "x. 60 IN NOSUCH 1"):
         with pytest.raises(ValueError):
             parse_rr(bad)
+    # a remembered reading still gives each reply its own record (a later plugin may change it)
+    first = parse_rr("same.example. 60 IN A 192.0.2.1")
+    first.ttl = 1
+    assert parse_rr("same.example. 60 IN A 192.0.2.1").ttl == 60
 
 
 async def test_metrics_count_matches_and_failures():

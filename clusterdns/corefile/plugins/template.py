@@ -27,6 +27,7 @@ text/template in _gotext; anything else is refused at setup.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 
@@ -89,7 +90,13 @@ def qtype_name(qtype: int) -> str:
 
 def parse_rr(text: str) -> dnslib.RR:
     """One RFC 1035 record as miekg/dns NewRR reads it: `OWNER [TTL] [CLASS] TYPE RDATA` (TTL and
-    class in either order, TTL 3600 and IN when left out, names relative to the root)."""
+    class in either order, TTL 3600 and IN when left out, names relative to the root). A new
+    RR each time (later plugins may change it); the text's reading is remembered as wire."""
+    return dnslib.RR.parse(dnslib.DNSBuffer(_rr_wire(text)))
+
+
+@functools.lru_cache(maxsize=4096)   # rendered texts repeat (one per name asked); failures are not kept
+def _rr_wire(text: str) -> bytes:
     tok = dns.tokenizer.Tokenizer(text)
     try:
         owner = tok.get_name(dns.name.root)
@@ -108,9 +115,8 @@ def parse_rr(text: str) -> dnslib.RR:
     except dns.exception.DNSException as exc:
         raise ValueError(f"dns: {exc or type(exc).__name__}: {text!r}") from None
     data = rd.to_wire() or b""
-    wire = (owner.to_wire() or b"") + struct.pack("!HHIH", rdtype, rdclass, DEFAULT_TTL if ttl is None else ttl,
+    return (owner.to_wire() or b"") + struct.pack("!HHIH", rdtype, rdclass, DEFAULT_TTL if ttl is None else ttl,
                                                    len(data)) + data
-    return dnslib.RR.parse(dnslib.DNSBuffer(wire))
 
 
 def _regex(d: Directive, pattern: str):
@@ -139,6 +145,7 @@ class Template(Plugin):
         self.qclass, self.qtype, self.zones = qclass, qtype, zones
         self.regexes = regexes
         self.sections: dict[str, list[GoTemplate]] = sections
+        self.rendered = any(sections.values())     # AKS's NXDOMAIN templates render nothing
         self.rcode, self.ederror, self.fall = rcode, ederror, fall or []
         self.where = where
 
@@ -168,12 +175,14 @@ class Template(Plugin):
                 return await next(req)
             raise PluginError(SERVFAIL, "")
         req.note(f"template {self.where}: matched {regex.pattern}")
-        data = self._data(req, zone, regex, m)
-        labels = (req.server, zone, "", data["Class"], data["Type"])
+        qclass = CLASS_NAMES.get(q.qclass if q.qclass != ANY else self.qclass, "")
+        qtype = qtype_name(q.qtype if q.qtype != ANY else self.qtype)
+        labels = (req.server, zone, "", qclass, qtype)
         matches.labels(*labels).inc()
         if self.rcode == SERVFAIL:
             raise PluginError(SERVFAIL, "")
         reply = req.reply(self.rcode)
+        data = self._data(req, zone, regex, m, qclass, qtype) if self.rendered else {}
         for section, attr in (("answer", "rr"), ("additional", "ar"), ("authority", "auth")):
             for tmpl in self.sections[section]:
                 try:
@@ -210,7 +219,7 @@ class Template(Plugin):
         if got.header.tc:
             reply.header.tc = 1
 
-    def _data(self, req: Request, zone: str, regex, m) -> dict:
+    def _data(self, req: Request, zone: str, regex, m, qclass: str, qtype: str) -> dict:
         q = req.record.q
         match = [m.group(i) or "" for i in range(regex.groups + 1)]
         group = {str(i): g for i, g in enumerate(match)}
@@ -218,8 +227,7 @@ class Template(Plugin):
             group[name] = match[i]
         return {
             "Zone": zone, "Name": req.qname, "Regex": regex.pattern, "Match": match, "Group": group,
-            "Class": CLASS_NAMES.get(q.qclass if q.qclass != ANY else self.qclass, ""),
-            "Type": qtype_name(q.qtype if q.qtype != ANY else self.qtype),
+            "Class": qclass, "Type": qtype,
             "Question": {"Name": str(q.qname), "Qtype": q.qtype, "Qclass": q.qclass},
             "Remote": req.client[0],
         }
