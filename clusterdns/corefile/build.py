@@ -102,7 +102,7 @@ def load_corefile(path: str, cfg: Config, env: Mapping[str, str] | None = None,
     except UnicodeDecodeError:
         raise CorefileError("", f"{path}: not UTF-8 text") from None
     if "__PILLAR__" in text:
-        text = _fill_pillars(text, cfg, dns_server)
+        text = _fill_pillars(text, cfg, dns_server, path)
     blocks = parse.parse_text(text, filename=path, env=env, base_dir=os.path.dirname(os.path.abspath(path)))
     return build(blocks, cfg, path=path, env=env, dns_server=dns_server)
 
@@ -130,15 +130,16 @@ def _listen(addr: str) -> str:
     return "0.0.0.0" + addr if addr.startswith(":") else addr
 
 
-def _fill_pillars(text: str, cfg: Config, dns_server: str | None) -> str:
-    import importlib
-    try:
-        pillars = importlib.import_module("clusterdns.corefile.pillars")
-    except ImportError:
-        raise CorefileError("", "node-local-dns placeholders (__PILLAR__...) are not supported yet") from None
+def _fill_pillars(text: str, cfg: Config, dns_server: str | None, path: str) -> str:
+    from . import pillars
     upstream = " ".join(cfg.dns.upstream) if cfg.dns.upstream else cfg.dns.resolv_conf
-    return pillars.fill(text, local_ips=list(cfg.dns.local_ips), dns_server=dns_server,
-                        cluster_domain=cfg.dns.cluster_domain, upstream=upstream, cluster_dns=None)
+    try:
+        return pillars.fill(text, local_ips=list(cfg.dns.local_ips), dns_server=dns_server,
+                            cluster_domain=cfg.dns.cluster_domain, upstream=upstream, cluster_dns=None)
+    except CorefileError:
+        raise
+    except ValueError as exc:
+        raise CorefileError("", f"{path}: {exc}") from None
 
 
 def _digest(blocks: list[ServerBlock]) -> str:

@@ -83,7 +83,10 @@ class Kubernetes(Plugin):
             parts.append("namespaces " + " ".join(d.namespaces))
         if d.namespace_labels:
             parts.append("namespace_labels " + d.namespace_labels)
-        return "; ".join(parts)
+        text = "; ".join(parts)
+        if getattr(self, "implicit", False):
+            text += " (the cluster DNS this block forwards to, answered in-process)"
+        return text
 
 
 def _same_question(req: Request) -> bool:
