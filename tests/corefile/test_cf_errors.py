@@ -183,3 +183,12 @@ async def test_socket_errors_and_log_lines_for_a_dead_upstream(tmp_path, capsys)
     got = out(capsys)
     assert any(x.startswith("[ERROR] plugin/errors: 2 x.example.org. A: plugin/forward: ") for x in got), got
     assert any('"A IN x.example.org. udp ' in x and " SERVFAIL qr,rd " in x for x in got), got
+
+
+async def test_consolidate_matches_non_ascii_reasons(capsys):
+    p = plug('errors {\n  consolidate 50ms "^échec (.*)$"\n}')
+    await fail(p, "échec de la résolution")
+    await fail(p, "ascii only")
+    await asyncio.sleep(0.15)
+    assert sorted(out(capsys)) == ["[ERROR] plugin/errors: 1 errors like '^échec (.*)$' occurred in last 50ms",
+                                   "[ERROR] plugin/errors: 2 example.org. A: ascii only"]
