@@ -294,9 +294,14 @@ def test_setup_errors_name_file_and_line(tmp_path, text, message):
 
 def test_a_hosts_file_that_cannot_be_read_is_a_setup_error(tmp_path):
     (tmp_path / "adir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for name, why in (("adir", "Is a directory"), ("fifo", "not a regular file")):
+        with pytest.raises(CorefileError) as err:
+            make(f"hosts {name}", tmp_path)
+        assert str(err.value) == f"Corefile:1: plugin/hosts: unable to access hosts file '{tmp_path}/{name}': {why}"
     with pytest.raises(CorefileError) as err:
-        make("hosts adir", tmp_path)
-    assert str(err.value) == f"Corefile:1: plugin/hosts: unable to access hosts file '{tmp_path}/adir': is a directory"
+        make("hosts /dev/zero", tmp_path)                 # would be read forever
+    assert str(err.value).endswith("'/dev/zero': not a regular file")
 
 
 def _touch(path, text: str) -> None:

@@ -28,7 +28,8 @@ The data is an immutable snapshot, replaced whole: the file is re-read (in a wor
 thread, never on the event loop) only when its mtime or size changed; a file that
 disappears or cannot be read later keeps the last data (logged). At setup a file that
 does not exist is a warning, as in CoreDNS (inline entries are served and the file is
-picked up when it appears); one that exists but cannot be read is an error.
+picked up when it appears); one that exists but cannot be read, or is not a regular file
+(a directory, a FIFO, /dev/zero), is an error.
 
 Deliberate differences: duplicate addresses or names of one entry set are answered
 once (an RRset has no duplicates); an inline line that is neither an option nor
@@ -40,9 +41,11 @@ directory (CoreDNS: the `root` plugin's, else its working directory).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
+import stat
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -246,8 +249,18 @@ def reverse_address(qname: str) -> str | None:
 def _read(path: str, origins: list[str], reverse: bool) -> tuple[Table, tuple[int, int]]:
     """The file parsed, and its (mtime_ns, size) as read (fstat of the open file, so they
     agree). Read line by line: no single long call holds the GIL over a big file."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        st = os.fstat(fh.fileno())
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not block the open
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not stat.S_ISREG(st.st_mode):   # a FIFO, /dev/zero: never read
+            raise OSError(errno.EINVAL, "not a regular file")
+        fh = open(fd, encoding="utf-8", errors="replace")
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
         table = parse(fh, origins, reverse)
     return table, (st.st_mtime_ns, st.st_size)
 
@@ -498,8 +511,6 @@ def setup(d: Directive, ctx: SetupContext) -> Hosts:
     h = Hosts(path=path, origins=origins, inline=inline, ttl=ttl, reverse=reverse, reload=reload,
               fall=fall, fall_unsupported=fall_unsupported, where=d.where)
     try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(21, "is a directory")
         h.load_initial()
     except OSError as exc:
         raise plugin_error(d, f"unable to access hosts file '{path}': {exc.strerror or exc}") from None
