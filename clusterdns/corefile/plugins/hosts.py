@@ -85,6 +85,7 @@ class Table:
     v6: dict = field(default_factory=dict)
     ptr: dict = field(default_factory=dict)    # canonical address -> name(s)
     skipped: int = 0                           # lines or names not usable
+    wild: bool = False                         # has `*.` entries
 
     def __len__(self) -> int:
         return sum(v.count(" ") + 1 for d in (self.v4, self.v6, self.ptr) for v in d.values())
@@ -98,10 +99,13 @@ class Snapshot:
     inline: Table
 
     def owner(self, name: str) -> str | None:
-        """The entry that answers for `name`: itself, or the wildcard one label up; None."""
+        """The entry that answers for `name`: itself, or the wildcard one label up; None.
+        (On the receive threads' path for every name: the common cases look up little.)"""
         f, i = self.file, self.inline
-        if name in f.v4 or name in f.v6 or name in i.v4 or name in i.v6:
+        if name in f.v4 or name in f.v6 or (i.v4 or i.v6) and (name in i.v4 or name in i.v6):
             return name
+        if not (f.wild or i.wild):
+            return None
         dot = name.find(".")
         if 0 <= dot < len(name) - 1:
             wild = "*" + name[dot:]
@@ -219,8 +223,11 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
                 names[name] = have + " " + canon
             else:
                 many[name] = [have, canon]
-            if reverse and name[0] != "*":
-                _add(ptr, rmany, canon, name)
+            if name[0] != "*":
+                if reverse:
+                    _add(ptr, rmany, canon, name)
+            elif name[1:2] == ".":
+                t.wild = True
     for d, many in zip((v4, v6, ptr), multi):
         for key, values in many.items():
             d[key] = " ".join(values)
