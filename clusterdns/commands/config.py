@@ -54,8 +54,14 @@ def proxy_report(cfg: Config) -> list[tuple[str, str, str]]:
     if mode == "iptables":
         rows.append(("localhost NodePorts", str(px.localhost_nodeports).lower(),
                      src("iptables.localhostNodePorts", "--no-localhost-nodeports")))
-    local = (f"source in {', '.join(px.cluster_cidrs)}" if px.cluster_cidrs else "none (no cluster CIDR)")
-    rows.append(("local traffic", local, src("detectLocalMode ClusterCIDR, clusterCIDR", "--cluster-cidr")))
+    if px.detect_local_mode == "BridgeInterface":
+        local, where = f"in on {px.pod_bridge_interface}", "detectLocalMode, detectLocal.bridgeInterface"
+    elif px.detect_local_mode == "InterfaceNamePrefix":
+        local, where = f"in on {px.pod_interface_name_prefix}*", "detectLocalMode, detectLocal.interfaceNamePrefix"
+    else:
+        local = f"source in {', '.join(px.cluster_cidrs)}" if px.cluster_cidrs else "none (no cluster CIDR)"
+        where = "detectLocalMode ClusterCIDR, clusterCIDR"
+    rows.append(("local traffic", local, src(where, "--detect-local-mode, --cluster-cidr")))
     rows.append(("NodePort addresses", ", ".join(px.nodeport_addresses) or "every local address",
                  src("nodePortAddresses", "--nodeport-addresses")))
     if mode == "ipvs":

@@ -171,7 +171,7 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     tops: dict[tuple[str, str], tuple[list[str], list[str], list[str], list[str]]] = {}
     delta = not full and previous is not None
     blocks: dict[tuple[str, str], list[tuple[str, str, int]]] = {}   # delta: changed Services' chains
-    ctx = (family, node.local_cidr, node.primary_ip, cfg.proxy.masquerade_all, large)
+    ctx = (family, node.local_cidr, node.local_iface, node.primary_ip, cfg.proxy.masquerade_all, large)
     old = _BLOCKS.get(ctx, {})
     cache: dict[int, tuple] = {}
     for pair in ports:
@@ -451,8 +451,8 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
         args = f'-m comment --comment "{name} cluster IP" {pp} -d {cip} --dport {port}'
         if cfg.proxy.masquerade_all:
             rules.append(f"-A {internal_chain} {args} -j {n.KUBE_MARK_MASQ}")
-        elif node.local_cidr:
-            rules.append(f"-A {internal_chain} {args} ! -s {node.local_cidr} -j {n.KUBE_MARK_MASQ}")
+        elif node.detects_local:
+            rules.append(f"-A {internal_chain} {args} {node.if_local(negate=True)} -j {n.KUBE_MARK_MASQ}")
 
     if uses_ext_chain:
         chains.append(ext_chain)
@@ -460,9 +460,9 @@ def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Confi
             rules.append(f'-A {ext_chain} -m comment --comment "masquerade traffic for {name} external '
                          f'destinations" -j {n.KUBE_MARK_MASQ}')
         else:
-            if node.local_cidr:
+            if node.detects_local:
                 rules.append(f'-A {ext_chain} -m comment --comment "pod traffic for {name} external '
-                             f'destinations" -s {node.local_cidr} -j {cluster_chain}')
+                             f'destinations" {node.if_local()} -j {cluster_chain}')
             rules.append(f'-A {ext_chain} -m comment --comment "masquerade LOCAL traffic for {name} external '
                          f'destinations" -m addrtype --src-type LOCAL -j {n.KUBE_MARK_MASQ}')
             rules.append(f'-A {ext_chain} -m comment --comment "route LOCAL traffic for {name} external '

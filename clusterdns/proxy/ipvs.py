@@ -175,7 +175,7 @@ def _render(state: ClusterState, cfg: Config, family: int, scheduler: str) -> Ip
     return IpvsConfig(
         ipvsadm=_ipvsadm_text(servers),
         ipsets=_ipset_text(entries, family),
-        iptables=_iptables_text(entries, cfg, node.local_cidr, family),
+        iptables=_iptables_text(entries, cfg, node.if_local(negate=True) if node.detects_local else "", family),
         addresses=tuple(sorted(addresses, key=lambda a: ipaddress.ip_address(a))),
         virtual_servers=tuple(servers),
         set_entries={set_name(k, family): frozenset(v) for k, v in entries.items()})
@@ -268,7 +268,7 @@ def _ipset_text(entries: dict[str, set[str]], family: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def _iptables_text(entries: dict[str, set[str]], cfg: Config, local_cidr: str, family: int) -> str:
+def _iptables_text(entries: dict[str, set[str]], cfg: Config, not_local: str, family: int) -> str:
     mark = mark_hex(cfg)
     nat: list[str] = []
     flt: list[str] = []
@@ -291,8 +291,8 @@ def _iptables_text(entries: dict[str, set[str]], cfg: Config, local_cidr: str, f
         args = f"-A KUBE-SERVICES -m comment --comment {comment(CLUSTER_IP)} -m set --match-set {name(CLUSTER_IP)}"
         if cfg.proxy.masquerade_all:
             nat.append(f"{args} dst,dst -j KUBE-MARK-MASQ")
-        elif local_cidr:
-            nat.append(f"{args} dst,dst ! -s {local_cidr} -j KUBE-MARK-MASQ")
+        elif not_local:
+            nat.append(f"{args} dst,dst {not_local} -j KUBE-MARK-MASQ")
         else:
             # node-originated traffic picks a VIP on kube-ipvs0 as its source
             nat.append(f"{args} src,dst -j KUBE-MARK-MASQ")

@@ -46,13 +46,14 @@ HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
 SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq")
 LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix", "")
-# Local-traffic detectors the rule generators do not have yet: refused, never a rule set without one.
+# Local-traffic detectors the rule generators do not have: refused, never a rule set without one.
 UNSUPPORTED_LOCAL_MODES = {
     "NodeCIDR": "clusterdns does not read the Node's spec.podCIDRs; use ClusterCIDR with clusterCIDR",
-    "BridgeInterface": "clusterdns's rules match local traffic by source CIDR only; use ClusterCIDR with clusterCIDR",
-    "InterfaceNamePrefix": "clusterdns's rules match local traffic by source CIDR only; use ClusterCIDR "
-                           "with clusterCIDR",
 }
+# ... and those the nftables generator does not have (iptables and ipvs match the input interface)
+IFACE_MODES = ("BridgeInterface", "InterfaceNamePrefix")
+NFT_IFACE = ("clusterdns's nftables rules match local traffic by source CIDR only; use ClusterCIDR with "
+             "clusterCIDR, or mode iptables or ipvs")
 # The release whose behaviour is reproduced (showHiddenMetricsForVersion accepts its previous minor).
 KUBE_MINOR = (1, 35)
 
@@ -730,6 +731,9 @@ def refusals(kp: KubeProxyConfig) -> list[str]:
     if kp.detect_local_mode in UNSUPPORTED_LOCAL_MODES:
         out.append(f"{ROOT}.DetectLocalMode: Unsupported value: {_go_value(kp.detect_local_mode)}: "
                    f"{UNSUPPORTED_LOCAL_MODES[kp.detect_local_mode]}")
+    if kp.detect_local_mode in IFACE_MODES and kp.mode == "nftables":
+        out.append(f"{ROOT}.DetectLocalMode: Unsupported value: {_go_value(kp.detect_local_mode)} in mode "
+                   f"nftables: {NFT_IFACE}")
     sched = t["ipvs"]["scheduler"]
     if kp.mode == "ipvs" and sched and sched not in SCHEDULERS:
         out.append(not_supported(f"{ROOT}.KubeProxyIPVSConfiguration.Scheduler", sched, SCHEDULERS))
@@ -759,6 +763,11 @@ def not_applied(kp: KubeProxyConfig) -> list[str]:
                 out.append(f"ipvs.{key}")
     if t["portRange"]:
         out.append("portRange (unused by kube-proxy too since 1.26)")
+    lg = t["logging"]
+    if lg["format"] != "text":
+        out.append(f"logging.format {lg['format']} (clusterdns logs text lines)")
+    if lg["vmodule"]:
+        out.append("logging.vmodule")
     return out
 
 
@@ -915,8 +924,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     a("--ipvs-scheduler", default=S, metavar="NAME", help="IPVS scheduler (default rr)")
     a("--ipvs-exclude-cidrs", action="append", default=S, metavar="CIDR[,CIDR]",
       help="IPVS services in these CIDRs are never removed")
-    a("--detect-local-mode", default=S, metavar="MODE", help="ClusterCIDR (--cluster-cidr): how traffic "
-      "from local pods is told apart (NodeCIDR, BridgeInterface, InterfaceNamePrefix are refused)")
+    a("--detect-local-mode", default=S, metavar="MODE", help="how traffic from local pods is told apart: "
+      "ClusterCIDR (--cluster-cidr), BridgeInterface, InterfaceNamePrefix (not in nftables mode); NodeCIDR "
+      "is refused")
     a("--pod-bridge-interface", default=S, metavar="NAME", help="detect-local-mode BridgeInterface: the bridge")
     a("--pod-interface-name-prefix", default=S, metavar="PREFIX",
       help="detect-local-mode InterfaceNamePrefix: the prefix of pod interfaces")
@@ -995,6 +1005,7 @@ def _check_flag_values(values: dict[str, Any]) -> None:
         raise KubeProxyConfigError("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix")
     if mode in UNSUPPORTED_LOCAL_MODES:
         raise KubeProxyConfigError(f"--detect-local-mode {mode}: not supported: {UNSUPPORTED_LOCAL_MODES[mode]}")
+    _check_iface_mode(values)
     sched = values.get("ipvs_scheduler")
     if sched is not None and sched not in SCHEDULERS:
         raise KubeProxyConfigError(not_supported("--ipvs-scheduler", sched, SCHEDULERS))
@@ -1010,6 +1021,14 @@ def _check_flag_values(values: dict[str, Any]) -> None:
         errs.append(f"--oom-score-adj {adj}: must be within the range [-1000, 1000]")
     if errs:
         raise KubeProxyConfigError(errs[0])
+
+
+def _check_iface_mode(values: dict[str, Any]) -> None:
+    """An interface detector with nftables rules (the mode, or `rules --mode`) is refused."""
+    printed = values.get("mode") or values.get("proxy_mode") or "iptables"
+    if values.get("detect_local_mode") in IFACE_MODES and printed == "nftables":
+        raise KubeProxyConfigError(f"detect-local-mode {values['detect_local_mode']} in mode nftables: "
+                                   f"not supported: {NFT_IFACE}")
 
 
 def apply(values: dict[str, Any]) -> dict[str, Any]:
@@ -1034,6 +1053,7 @@ def apply(values: dict[str, Any]) -> dict[str, Any]:
     if unused:
         log.warning("%s: not applied by clusterdns: %s", kp.source, "; ".join(unused))
     values.update(options(kp))
+    _check_iface_mode(values)
     # --node-name / --hostname-override / NODE_NAME win over hostnameOverride, as kube-proxy's flag does
     name = values.get("node_name")
     values["node_name"] = hostname(str(name)) if name else hostname(kp.tree["hostnameOverride"])

@@ -168,12 +168,22 @@ class NodeInfo:
     zone: str = ""                        # "" when unknown: topology is not used
     ips: tuple[str, ...] = ()             # of this family, primary first
     local_cidr: str = ""                  # the local-traffic detector; "" = none
+    local_iface: str = ""                 # or by input interface (iptables -i: "br0", "veth+")
     nodeport_all: bool = True             # NodePorts on every local address
     nodeport_ips: tuple[str, ...] = field(default=())  # else: these addresses
 
     @property
     def primary_ip(self) -> str:
         return self.ips[0] if self.ips else ""
+
+    @property
+    def detects_local(self) -> bool:
+        return bool(self.local_cidr or self.local_iface)
+
+    def if_local(self, negate: bool = False) -> str:
+        """kube-proxy's LocalTrafficDetector IfLocal / IfNotLocal as iptables arguments."""
+        bang = "! " if negate else ""
+        return f"{bang}-s {self.local_cidr}" if self.local_cidr else f"{bang}-i {self.local_iface}"
 
 
 def node_info(state: ClusterState, cfg: Config, family: int) -> NodeInfo:
@@ -188,12 +198,18 @@ def node_info(state: ClusterState, cfg: Config, family: int) -> NodeInfo:
     ips = tuple(ip for ip in cfg.proxy.node_ips if _family_of(ip) == family)
     if not cfg.proxy.node_ips and node is not None:
         ips = tuple(ip for ip in node.addresses if _is_ip(ip) and _family_of(ip) == family)
-    local_cidr = ""
-    for cidr in cfg.proxy.cluster_cidrs:
-        net = ipaddress.ip_network(cidr, strict=False)
-        if net.version == family:
-            local_cidr = str(net)
-            break
+    local_cidr, local_iface = "", ""
+    mode = cfg.proxy.detect_local_mode
+    if mode == "BridgeInterface":
+        local_iface = cfg.proxy.pod_bridge_interface
+    elif mode == "InterfaceNamePrefix":
+        local_iface = cfg.proxy.pod_interface_name_prefix + "+"
+    else:
+        for cidr in cfg.proxy.cluster_cidrs:
+            net = ipaddress.ip_network(cidr, strict=False)
+            if net.version == family:
+                local_cidr = str(net)
+                break
     nodeport_all = True
     np_ips: list[str] = []
     if cfg.proxy.nodeport_addresses and "all" not in cfg.proxy.nodeport_addresses:
@@ -213,7 +229,7 @@ def node_info(state: ClusterState, cfg: Config, family: int) -> NodeInfo:
             if any(addr in n for n in nets) and ip not in np_ips:
                 np_ips.append(ip)
     return NodeInfo(name=cfg.proxy.node_name, zone=node.zone if node is not None else "",
-                    ips=ips, local_cidr=local_cidr, nodeport_all=nodeport_all,
+                    ips=ips, local_cidr=local_cidr, local_iface=local_iface, nodeport_all=nodeport_all,
                     nodeport_ips=tuple(np_ips))
 
 

@@ -359,6 +359,8 @@ def test_validation_errors(body, want):
     "clusterCIDR: 192.168.59.0/24,fd00:192:168::/64",
     "clusterCIDR: fd00:192:168:59::/64",
     "detectLocalMode: ClusterCIDR\nclusterCIDR: 10.0.0.0/8",
+    "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: vethabcde}",
+    "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: avz}",
     "nodePortAddresses: []", "nodePortAddresses: [127.0.0.0/8]", "nodePortAddresses: [0.0.0.0/0]",
     "nodePortAddresses: ['::/0']", "nodePortAddresses: [127.0.0.1/32, 1.2.3.0/24]",
     "nodePortAddresses: ['::1/128']", "nodePortAddresses: [10.20.0.0/16, 100.200.0.0/16]",
@@ -385,10 +387,10 @@ def test_several_errors_are_one_line_in_kube_proxys_aggregate_form():
 
 def test_what_clusterdns_cannot_do_is_refused_with_the_field():
     assert "DetectLocalMode: Unsupported value: \"NodeCIDR\"" in error_of("detectLocalMode: NodeCIDR\n")
-    assert 'DetectLocalMode: Unsupported value: "BridgeInterface"' in \
-        error_of("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\n")
-    assert 'DetectLocalMode: Unsupported value: "InterfaceNamePrefix"' in \
-        error_of("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n")
+    assert 'DetectLocalMode: Unsupported value: "BridgeInterface" in mode nftables' in \
+        error_of("mode: nftables\ndetectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\n")
+    assert 'DetectLocalMode: Unsupported value: "InterfaceNamePrefix" in mode nftables' in \
+        error_of("mode: nftables\ndetectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n")
     assert 'KubeProxyIPVSConfiguration.Scheduler: Unsupported value: "foo"' in \
         error_of("mode: ipvs\nipvs: {scheduler: foo}\n")
 
@@ -532,8 +534,8 @@ def test_kube_proxy_flags_become_options():
     (["--detect-local-mode", "Guess"], 'Unsupported value: "Guess"'),
     (["--detect-local-mode", "BridgeInterface"], "needs --pod-bridge-interface"),
     (["--detect-local-mode", "NodeCIDR"], "--detect-local-mode NodeCIDR: not supported"),
-    (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"],
-     "--detect-local-mode InterfaceNamePrefix: not supported"),
+    (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth", "--proxy-mode", "nftables"],
+     "detect-local-mode InterfaceNamePrefix in mode nftables: not supported"),
     (["--conntrack-min", "-1"], "--conntrack-min: must be greater than or equal to 0"),
     (["--healthz-bind-address", "nowhere"], "must be IP:port"),
     (["--oom-score-adj", "5000"], "--oom-score-adj 5000"),
@@ -544,3 +546,12 @@ def test_bad_kube_proxy_flags(argv, needle):
     with pytest.raises(ConfigError) as exc:
         load(["proxy", "--manifest", "clusterdns/demo/cluster.yaml", *argv], env={})
     assert needle in str(exc.value)
+
+
+def test_fields_not_applied_are_named_once(caplog):
+    with caplog.at_level(logging.WARNING, "clusterdns.kpconfig"):
+        k = kp("featureGates: {Foo: true}\nenableProfiling: true\nlogging: {format: json}\n"
+               "clientConnection: {qps: 50}\n")
+    assert kpconfig.not_applied(k) == ["clientConnection.qps", "enableProfiling", "featureGates (Foo=true)",
+                                       "logging.format json (clusterdns logs text lines)"]
+    assert kpconfig.not_applied(kp()) == []

@@ -126,3 +126,11 @@ def test_config_check_of_a_bad_file_exits_2_naming_the_field(tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert "KubeProxyConfiguration.KubeProxyLinuxConfiguration.KubeProxyConntrackConfiguration.MaxPerCore: " \
            "Invalid value: -1" in line
+
+
+def test_config_check_names_the_interface_detector(tmp_path):
+    f = tmp_path / "bridge.yaml"
+    f.write_text("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+                 "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\nclusterCIDR: 10.9.0.0/16\n")
+    rows = _rows(check("--proxy-config", str(f), "--node-name", "n").stdout)
+    assert rows["local traffic"] == "in on cbr0 # detectLocalMode, detectLocal.bridgeInterface"

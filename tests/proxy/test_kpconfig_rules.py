@@ -136,3 +136,18 @@ def test_a_bad_file_exits_2_with_one_line(tmp_path, body, needle):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("clusterdns: ") and needle in lines[0], proc.stderr
         assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("mode", ["iptables", "ipvs"])
+def test_detect_local_by_interface(tmp_path, mode):
+    """BridgeInterface and InterfaceNamePrefix: the input interface replaces the source CIDR
+    (clusterCIDR is then not the detector), as kube-proxy's iptables and ipvs proxiers do."""
+    f = doc(tmp_path, HEAD + f"mode: {mode}\nclusterCIDR: 10.99.0.0/16\ndetectLocalMode: BridgeInterface\n"
+            "detectLocal: {bridgeInterface: cbr0, interfaceNamePrefix: veth}\n", "bridge.yaml")
+    text = same(f, ["--proxy-mode", mode, "--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"])
+    assert "! -i cbr0 -j KUBE-MARK-MASQ" in text and "10.99.0.0/16" not in text and "veth" not in text
+    f = doc(tmp_path, HEAD + f"mode: {mode}\ndetectLocalMode: InterfaceNamePrefix\n"
+            "detectLocal: {interfaceNamePrefix: veth}\n", "prefix.yaml")
+    text = same(f, ["--proxy-mode", mode, "--detect-local-mode", "InterfaceNamePrefix",
+                    "--pod-interface-name-prefix", "veth"])
+    assert "! -i veth+ -j KUBE-MARK-MASQ" in text and "! -s 10.161.0.0/16" not in text
