@@ -280,6 +280,8 @@ class _Collector:
 
     def collect(self):
         plugins = list(_live)
+        if not plugins:          # as in CoreDNS: no series without a hosts plugin
+            return
         entries = GaugeMetricFamily("coredns_hosts_entries",
                                     "The combined number of entries in hosts and Corefile.", labels=[])
         entries.add_metric([], float(sum(len(p.data.file) + len(p.data.inline) for p in plugins)))
