@@ -136,6 +136,7 @@ class AgentConfig:
     metrics_listen: str = "127.0.0.1:9153"
     proxy_metrics_listen: str = "127.0.0.1:10249"   # kube-proxy's metrics address
     proxy_health_listen: str = ""          # kube-proxy's healthz address; "": /healthz on health_listen
+    bind_address_hard_fail: bool = False   # kube-proxy's: the healthz/metrics listeners must bind, not retry
     health_listen: str = "127.0.0.1:8080"
     ready_listen: str = ""                 # /ready on its own address (a Corefile's `ready`); "": with health
     config_file: str = ""

@@ -94,11 +94,11 @@ def plan(cfg: Config | None, roles: tuple[str, ...] = ("dns",)) -> list[Listener
         proxy.kinds.append("proxy-metrics")
         proxy.proxy_mode = cfg.proxy.proxy_mode
         # Only a listener of its own may fail to bind without stopping the process.
-        proxy.optional = proxy.kinds == ["proxy-metrics"]
+        proxy.optional = proxy.kinds == ["proxy-metrics"] and not cfg.agent.bind_address_hard_fail
     elif dns is not None:
         dns.registries.append(metrics.SHARED)
     if healthz is not None:
-        healthz.optional = healthz.kinds == ["proxy-health"]
+        healthz.optional = healthz.kinds == ["proxy-health"] and not cfg.agent.bind_address_hard_fail
     return list(out.values())
 
 

@@ -143,7 +143,7 @@ ACROSS = {  # the options a second component reads too (agent.component_inputs)
     "demo": {"source", "proxy", "localdns"},                        # applying (base listens on local_ips)
     "health_listen": {"health"}, "metrics_listen": {"health"}, "proxy_metrics_listen": {"health"},
     "ready_listen": {"health"},
-    "proxy_health_listen": {"health"},
+    "proxy_health_listen": {"health"}, "bind_address_hard_fail": {"health"},
     "config_file": {"dns"},                                         # coredns_plugin_enabled{name="reload"}
 }
 

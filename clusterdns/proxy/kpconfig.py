@@ -750,9 +750,8 @@ def not_applied(kp: KubeProxyConfig) -> list[str]:
                          ("contentType", "application/vnd.kubernetes.protobuf")):
         if cc[key] != default:
             out.append(f"clientConnection.{key}")
-    for key in ("enableProfiling", "bindAddressHardFail"):
-        if t[key]:
-            out.append(key)
+    if t["enableProfiling"]:
+        out.append("enableProfiling")
     if t["showHiddenMetricsForVersion"]:
         out.append("showHiddenMetricsForVersion")
     if t["featureGates"]:
@@ -846,6 +845,7 @@ def options(kp: KubeProxyConfig) -> dict[str, Any]:
             udp_timeout=ct["udpTimeout"] // 10**9, udp_stream_timeout=ct["udpStreamTimeout"] // 10**9),
         "oom_score_adj": t["oomScoreAdj"],
         "proxy_health_listen": _listen(t["healthzBindAddress"]),
+        "bind_address_hard_fail": t["bindAddressHardFail"],
         "proxy_metrics_listen": _listen(t["metricsBindAddress"]),
     }
 
@@ -863,7 +863,8 @@ COVERED = {
     "nodeport_addresses": "--nodeport-addresses", "node_ips": "--node-ip/--bind-address",
     "ipvs_scheduler": "--ipvs-scheduler", "ipvs_exclude_cidrs": "--ipvs-exclude-cidrs",
     "ipvs_strict_arp": "--ipvs-strict-arp", "conntrack": "--conntrack-*", "oom_score_adj": "--oom-score-adj",
-    "proxy_health_listen": "--healthz-bind-address", "proxy_metrics_listen": "--proxy-metrics-listen/--metrics-bind-address",
+    "proxy_health_listen": "--healthz-bind-address", "bind_address_hard_fail": "--bind-address-hard-fail",
+    "proxy_metrics_listen": "--proxy-metrics-listen/--metrics-bind-address",
 }
 _KP = "kp_"     # dests of kube-proxy's flags, turned into options by apply()
 
@@ -914,8 +915,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         a(f"--{name}", dest=_KP + name.replace("-", "_"), type=kind, default=S, metavar="VALUE", help=what)
     for name, what in (("conntrack-tcp-be-liberal", "set nf_conntrack_tcp_be_liberal=1"),
                        ("ipvs-strict-arp", "arp_ignore=1 and arp_announce=2 (ipvs mode)"),
+                       ("bind-address-hard-fail", "exit when the healthz or proxy metrics address cannot be "
+                                                  "bound, instead of retrying every 5 s"),
                        ("iptables-localhost-nodeports", "NodePorts on 127.0.0.1 (default true)")):
-        dest = "ipvs_strict_arp" if name == "ipvs-strict-arp" else _KP + name.replace("-", "_")
+        dest = name.replace("-", "_") if name in ("ipvs-strict-arp", "bind-address-hard-fail") else \
+            _KP + name.replace("-", "_")
         a(f"--{name}", dest=dest, type=_gobool, nargs="?", const=True, default=S, metavar="BOOL", help=what)
     # kube-proxy flags that are options as they are
     a("--healthz-bind-address", dest="proxy_health_listen", metavar="IP[:PORT]", default=S,

@@ -134,3 +134,37 @@ def test_config_check_names_the_interface_detector(tmp_path):
                  "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\nclusterCIDR: 10.9.0.0/16\n")
     rows = _rows(check("--proxy-config", str(f), "--node-name", "n").stdout)
     assert rows["local traffic"] == "in on cbr0 # detectLocalMode, detectLocal.bridgeInterface"
+
+
+def test_bind_address_hard_fail(tmp_path):
+    """bindAddressHardFail: a healthz address that cannot be bound ends the process; without it the
+    listener is retried every 5 s while the proxier runs (kube-proxy's two behaviours)."""
+    import socket
+    import time
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    f = tmp_path / "kp.yaml"
+    base = ("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+            f"healthzBindAddress: 127.0.0.1:{port}\nmetricsBindAddress: 127.0.0.1:{free}\n")
+    argv = [sys.executable, "-m", "clusterdns", "proxy", "--proxy-config", str(f), "--dry-run",
+            "--manifest", str(ROOT / "clusterdns" / "demo" / "cluster.yaml"), "--health-listen", "none"]
+    try:
+        f.write_text(base + "bindAddressHardFail: true\n")
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+        f.write_text(base)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(3)
+            assert proc.poll() is None
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "retrying every 5s" in err
+    finally:
+        busy.close()
