@@ -29,7 +29,7 @@ import ipaddress
 import logging
 from typing import Iterable
 
-from .dns.metrics import nodecache_setup_errors
+from .metrics import nodecache_setup_errors
 from .proxy.apply import ApplyError, CommandRunner, IptablesExecutor, Result, SubprocessRunner
 
 log = logging.getLogger(__name__)

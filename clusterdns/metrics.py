@@ -1,7 +1,7 @@
 """Prometheus registries, one per listener, so each series is served in one place only.
 
 - DNS: `coredns_*` (the DNS server, cache, forwarder, DNS programming, NodeLocal
-  setup errors), served on --metrics-listen (CoreDNS's :9153).
+  setup errors: the last defined here, see below), served on --metrics-listen (CoreDNS's :9153).
 - PROXY: `kubeproxy_*`, served on --proxy-metrics-listen (kube-proxy's :10249).
 - SHARED: the API client (`rest_client_*`, client-go's names) and clusterdns's
   own series (`clusterdns_*`: sources, state, reloads). Served on the proxy
@@ -67,6 +67,16 @@ source_errors = Counter(
 state_version = Gauge(
     "clusterdns_state_version",
     "Version number of the published cluster state.", registry=SHARED)
+
+# NodeLocal DNSCache's setup errors, a coredns_* series on the DNS listener. Here, not in
+# clusterdns.dns, because localdns.py counts them and the proxier (proxy --cleanup) imports
+# localdns: the proxy half must not import the DNS half. Every type starts at 0, as node-cache's.
+SETUP_ERROR_TYPES = ("interface_add", "interface_check", "iptables", "iptables_lock", "configmap")
+nodecache_setup_errors = Counter("coredns_nodecache_setup_errors",
+                                 "The number of errors during periodic network setup for node-cache",
+                                 ["errortype"], registry=DNS)
+for _t in SETUP_ERROR_TYPES:
+    nodecache_setup_errors.labels(_t)
 
 # ------------------------------------------------------------------ the API client (client-go's names)
 # client-go's buckets and labels; `code` is "<error>" when no response came.

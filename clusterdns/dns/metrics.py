@@ -466,14 +466,5 @@ forward_rejects = Counter("coredns_forward_max_concurrent_rejects",
                           "Counter of the number of queries rejected because the concurrent queries were at maximum.",
                           registry=REGISTRY)
 
-# NodeLocal DNSCache's setup errors (the agent holds its job: the local addresses and
-# their NOTRACK rules, see localdns.py); every type starts at 0, as node-cache does.
-SETUP_ERROR_TYPES = ("interface_add", "interface_check", "iptables", "iptables_lock", "configmap")
-nodecache_setup_errors = Counter("coredns_nodecache_setup_errors",
-                                 "The number of errors during periodic network setup for node-cache",
-                                 ["errortype"], registry=REGISTRY)
-for _t in SETUP_ERROR_TYPES:
-    nodecache_setup_errors.labels(_t)
-
 # The Corefile's reload plugin (CoreDNS's names).
 reload_failed = Counter("coredns_reload_failed", "Counter of the number of failed reload attempts.", registry=REGISTRY)
