@@ -414,6 +414,15 @@ def test_health_ready_and_metrics_of_the_command(server):
 def test_sigterm_lameduck_keeps_answering_then_exits_zero(manifests):
     srv = ServerProcess("--manifest", manifests[0], "--no-upstream", "--lameduck", "1.5", http=True)
     try:
+        # DNS answers first and the health listener comes up after it (by design): the
+        # lameduck is about a process whose probes are up, so wait for them
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                if http_get(srv.http_port, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.05)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert srv.query("testapp-svc.testapp.svc.cluster.local.").answer   # still answering
