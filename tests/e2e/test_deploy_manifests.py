@@ -98,3 +98,29 @@ def test_kind_cluster_replaces_kube_proxy():
     conf = yaml.safe_load(cm["data"]["config.yaml"])
     assert conf["service-cidr"] == [cluster["networking"]["serviceSubnet"]]
     assert conf["cluster-cidr"] == [cluster["networking"]["podSubnet"]]
+
+
+def test_daemonset_mounts_the_clusters_own_dns_configmaps(tmp_path):
+    """The coredns (with k3s's NodeHosts), coredns-custom and node-local-dns ConfigMaps are
+    mounted unchanged where their own Deployments mount them; a kubeadm Corefile placed at
+    the coredns mount serves with the DaemonSet's commented --corefile."""
+    ds = _by_kind()["DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    for name, path in (("coredns", "/etc/coredns"), ("coredns-custom", "/etc/coredns/custom"),
+                       ("node-local-dns", "/etc/node-local-dns")):
+        assert volumes[name]["configMap"] == {"name": name, "optional": True}
+        assert mounts[name]["mountPath"] == path and mounts[name]["readOnly"] is True
+    with open(os.path.join(DEPLOY, "daemonset.yaml")) as fh:
+        text = fh.read()
+    assert "# - --corefile=/etc/coredns/Corefile" in text and "# - --corefile=/etc/node-local-dns/Corefile" in text
+    # the kubeadm Corefile, as the coredns ConfigMap holds it, checks with the agent's reader
+    from clusterdns.config import Config
+    from clusterdns.corefile.build import prepare
+    corefile = tmp_path / "Corefile"
+    with open(os.path.join(ROOT, "tests", "corefile", "real", "kubeadm.corefile")) as fh:
+        corefile.write_text(fh.read())
+    cf, cfg = prepare(Config.from_options("agent", corefile=str(corefile), local_ips=("10.96.0.10",)))
+    assert cfg.agent.health_listen == "0.0.0.0:8080" and cfg.agent.ready_listen == "0.0.0.0:8181"
+    assert cfg.listen_addresses() == [("0.0.0.0", 53)]
