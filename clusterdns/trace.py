@@ -752,6 +752,10 @@ def format_text(data: dict, color: bool = False) -> str:
             source = f"{q['block'] or 'no block'} {q.get('plugin') or ('REFUSED' if not q['block'] else '-')}"
         rows.append([str(q["step"]), q["name"], q["type"], source, rcode, ans or "-"])
     lines += _table(rows)
+    notes = [f"  {q['step']} {q['name']} {q['type']}: " + "; ".join(q["trail"]) for q in w["queries"] if q.get("trail")]
+    if notes:
+        lines.append(s.dim("  what the plugins did:"))
+        lines += notes
     if w.get("upstream"):
         lines.append("  " + f"sent upstream (outside the served zones): {', '.join(w['upstream'])}")
     if w["outcome"] == "answer":

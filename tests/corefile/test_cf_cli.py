@@ -127,3 +127,39 @@ def test_trace_names_the_block_and_plugin(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"{path}:2 kubernetes" in r.stdout
     assert "stops at testapp-svc.testapp.svc.cluster.local. -> 172.20.36.232" in r.stdout
+
+
+async def test_trace_in_process_names_forward_and_cache_hits(tmp_path):
+    """trace through a Corefile: a forwarded name shows `forward`, asked again `cache`."""
+    from clusterdns.config import Config
+    from clusterdns.sources.manifest import publish
+    from clusterdns.state import StateStore
+    from clusterdns.trace import build_trace, format_text
+    from tests import demo
+    from tests.dns.dnskit import FakeUpstream
+    up = await FakeUpstream({"www.example.org.": ["www.example.org. 300 IN A 192.0.2.80"]}).start()
+    try:
+        path = tmp_path / "Corefile"
+        path.write_text(f""".:5399 {{
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa
+    forward . 127.0.0.1:{up.port}
+    cache 30
+}}
+""")
+        store = StateStore()
+        publish(store, demo.demo_records())
+        cfg = Config.from_options("trace", corefile=str(path), name="www.example.org.")
+        data = await build_trace(cfg, store.current)
+        q = data["walk"]["queries"]
+        assert q[0]["name"] == "www.example.org." and q[0]["plugin"] == "forward"
+        assert q[0]["block"] == f"{path}:1" and q[0]["rcode"] == "NOERROR"
+        assert any("forward ." in t for t in q[0]["trail"])
+        text = format_text(data)
+        assert f"{path}:1 forward" in text and "192.0.2.80" in text
+        cfg2 = Config.from_options("trace", corefile=str(path), name="testapp-svc", from_pod="testapp/client")
+        data = await build_trace(cfg2, store.current)
+        assert data["walk"]["stopped_at"] == "testapp-svc.testapp.svc.cluster.local.", format_text(data)
+        assert [x["plugin"] for x in data["walk"]["queries"] if x["type"] == "A"] == ["kubernetes"]
+    finally:
+        await up.stop()
