@@ -129,8 +129,9 @@ def test_trace_names_the_block_and_plugin(tmp_path):
     assert "stops at testapp-svc.testapp.svc.cluster.local. -> 172.20.36.232" in r.stdout
 
 
-async def test_trace_in_process_names_forward_and_cache_hits(tmp_path):
-    """trace through a Corefile: a forwarded name shows `forward`, asked again `cache`."""
+async def test_trace_in_process_names_the_block_and_plugin_of_each_question(tmp_path):
+    """trace through a Corefile: a forwarded name shows the block and `forward` (with its note), a
+    cluster name `kubernetes`."""
     from clusterdns.config import Config
     from clusterdns.sources.manifest import publish
     from clusterdns.state import StateStore
