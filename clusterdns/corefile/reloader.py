@@ -32,25 +32,23 @@ class Reloader:
         try:
             new = await asyncio.to_thread(load_corefile, self.current.path, self.cfg, None, self.dns_server)
         except CorefileError as exc:
-            self.failures += 1
-            metrics.reload_failed.inc()
-            log.error("plugin/reload: Corefile changed but reload failed: %s; the running configuration "
-                      "keeps serving", exc)
-            return False
+            return self._failed("Corefile changed but reload failed", exc)
         if new.digest == self.current.digest:
             return False
         try:
             await self.apply(new)
         except Exception as exc:
-            self.failures += 1
-            metrics.reload_failed.inc()
-            log.error("plugin/reload: could not serve the changed Corefile: %s; the running configuration "
-                      "keeps serving", exc)
-            return False
+            return self._failed("could not serve the changed Corefile", exc)
         log.info("plugin/reload: Running configuration SHA512 = %s", new.digest)
         self.current = new
         self.reloads += 1
         return True
+
+    def _failed(self, what: str, exc: Exception) -> bool:
+        self.failures += 1
+        metrics.reload_failed.inc()
+        log.error("plugin/reload: %s: %s; the running configuration keeps serving", what, exc)
+        return False
 
     async def run(self) -> None:
         while self.current.reload is not None:

@@ -342,13 +342,13 @@ class _UdpReceiver:
             self.flushed.set()
         return False
 
-    def _failed(self, data: bytes, addr, started: float) -> None:
+    def _failed(self, data: bytes, addr, started: float, dst: bytes | None = None) -> None:
         """engine.fast() raised: SERVFAIL (server.panic counts and logs it), counted as the
         server's own reply."""
         reply = self.service.panic(data)
         if reply is not None:
             try:
-                self.sock.sendto(reply, addr)
+                self.send(reply, addr, dst)
             except OSError:
                 pass
         self.local.record(data, reply, False, started, metrics.SERVER)
@@ -373,26 +373,24 @@ class _UdpReceiver:
                               0, addr)
 
     def _main(self) -> None:
-        if self.pktinfo:
-            self._run_pktinfo()
-            return
-        io = _Mmsg.make(self.sock)
+        io = None if self.pktinfo else _Mmsg.make(self.sock)
         if io is None:
             self._run()
         else:
             self._run_batched(io)
 
     def _run(self) -> None:
-        sock, fast, service, local = self.sock, self.engine.fast, self.service, self.local
+        """recvfrom/sendto (recvmsg/sendmsg with the destination address on a wildcard socket)."""
+        fast, service, local = self.engine.fast, self.service, self.local
         lock = service.engine_lock
-        recvfrom, sendto, count = sock.recvfrom, sock.sendto, local.fast_udp
+        receive, send, count = self._receive, self.send, local.fast_udp
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
         # handed over before ServerStats would fold on its own (one new key per query at most)
         check, near_full = 255, metrics.RAW_LIMIT - 256
         n = 0
         while True:
             try:
-                data, addr = recvfrom(65535)
+                data, addr, dst = receive()
             except OSError:
                 if self.stopping:
                     return
@@ -406,62 +404,19 @@ class _UdpReceiver:
                 with lock:
                     reply = fast(data, False)
             except Exception:
-                self._failed(data, addr, started)
+                self._failed(data, addr, started, dst)
                 n |= check           # the table's size is checked below
             else:
                 if reply is None:
-                    call(slow, self, data, addr, started)
+                    call(slow, self, data, addr, started, dst)
                     continue
                 try:
-                    sendto(reply, addr)
+                    send(reply, addr, dst)
                 except OSError:
                     pass
                 count(data, reply, started)
             n += 1
             if not n & check and len(local.udp) >= near_full:   # odd traffic: let the loop fold it
-                self._handoff()
-                call(self.drain_into, self.stats)
-
-    def _run_pktinfo(self) -> None:
-        """_run for a wildcard socket: recvmsg with the destination address of each query,
-        the reply sent from it (IP_PKTINFO / IPV6_PKTINFO)."""
-        fast, local = self.engine.fast, self.local
-        lock = self.service.engine_lock
-        slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
-        near_full = metrics.RAW_LIMIT - 256
-        while True:
-            try:
-                data, addr, dst = self._receive()
-            except OSError:
-                if self.stopping:
-                    return
-                continue
-            started = perf_counter()
-            if not data:
-                if self._woken():
-                    return
-                continue
-            try:
-                with lock:
-                    reply = fast(data, False)
-            except Exception:
-                reply = self.service.panic(data)
-                if reply is not None:
-                    try:
-                        self.send(reply, addr, dst)
-                    except OSError:
-                        pass
-                local.record(data, reply, False, started, metrics.SERVER)
-                continue
-            if reply is None:
-                call(slow, self, data, addr, started, dst)
-                continue
-            try:
-                self.send(reply, addr, dst)
-            except OSError:
-                pass
-            local.fast_udp(data, reply, started)
-            if len(local.udp) >= near_full:
                 self._handoff()
                 call(self.drain_into, self.stats)
 
