@@ -78,17 +78,35 @@ def _values(v: str | None) -> list[str]:
     return [] if v is None else v.split(" ") if " " in v else [v]
 
 
+# Each table is SHARDS dicts, a key in the one its hash picks: a dict growing past a million
+# keys resizes in one call that holds the GIL (0.63 s at 2.8 million keys on the machine
+# the figures in the tests came from); 64 smaller ones each resize in a 64th of that.
+SHARDS = 64
+MASK = SHARDS - 1
+
+
+def _maps() -> tuple[dict, ...]:
+    return tuple({} for _ in range(SHARDS))
+
+
 @dataclass
 class Table:
     """One parsed source (the file, or the inline lines). Built once, then only read."""
-    v4: dict = field(default_factory=dict)     # name -> address(es), in file order
-    v6: dict = field(default_factory=dict)
-    ptr: dict = field(default_factory=dict)    # canonical address -> name(s)
+    v4: tuple[dict, ...] = field(default_factory=_maps)    # name -> address(es), in file order
+    v6: tuple[dict, ...] = field(default_factory=_maps)
+    ptr: tuple[dict, ...] = field(default_factory=_maps)   # canonical address -> name(s)
     skipped: int = 0                           # lines or names not usable
     wild: bool = False                         # has `*.` entries
+    empty: bool = True                         # no entries at all (most inline tables)
 
     def __len__(self) -> int:
-        return sum(v.count(" ") + 1 for d in (self.v4, self.v6, self.ptr) for v in d.values())
+        return sum(v.count(" ") + 1 for maps in (self.v4, self.v6, self.ptr) for d in maps for v in d.values())
+
+    def get(self, kind: str, key: str) -> str | None:
+        return getattr(self, kind)[hash(key) & MASK].get(key)
+
+    def keys(self, kind: str) -> list[str]:
+        return [k for d in getattr(self, kind) for k in d]
 
 
 @dataclass(frozen=True)
@@ -102,24 +120,25 @@ class Snapshot:
         """The entry that answers for `name`: itself, or the wildcard one label up; None.
         (On the receive threads' path for every name: the common cases look up little.)"""
         f, i = self.file, self.inline
-        if name in f.v4 or name in f.v6 or (i.v4 or i.v6) and (name in i.v4 or name in i.v6):
+        h = hash(name) & MASK
+        if name in f.v4[h] or name in f.v6[h] or not i.empty and (name in i.v4[h] or name in i.v6[h]):
             return name
         if not (f.wild or i.wild):
             return None
         dot = name.find(".")
         if 0 <= dot < len(name) - 1:
             wild = "*" + name[dot:]
-            if wild in f.v4 or wild in f.v6 or wild in i.v4 or wild in i.v6:
+            h = hash(wild) & MASK
+            if wild in f.v4[h] or wild in f.v6[h] or wild in i.v4[h] or wild in i.v6[h]:
                 return wild
         return None
 
     def addresses(self, owner: str, qtype: int) -> list[str]:
-        if qtype == A:
-            return _unique(self.file.v4.get(owner), self.inline.v4.get(owner))
-        return _unique(self.file.v6.get(owner), self.inline.v6.get(owner))
+        kind = "v4" if qtype == A else "v6"
+        return _unique(self.file.get(kind, owner), self.inline.get(kind, owner))
 
     def names(self, address: str) -> list[str]:
-        return _unique(self.file.ptr.get(address), self.inline.ptr.get(address))
+        return _unique(self.file.get("ptr", address), self.inline.get("ptr", address))
 
 
 def _unique(a: str | None, b: str | None) -> list[str]:
@@ -187,7 +206,7 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
     multi: tuple[dict, dict, dict] = ({}, {}, {})   # keys with many values: lists while parsing
     rmany = multi[2]
     everywhere = "." in origins
-    seen: dict[str, str | None] = {}   # address as written -> canonical (files repeat 0.0.0.0 ...)
+    seen = _maps()   # address as written -> canonical or None (files repeat 0.0.0.0 ...)
     for line in lines:
         i = line.find("#")
         if i >= 0:
@@ -196,15 +215,17 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
         if len(f) < 2:
             continue
         a = f[0]
-        if a in seen:
-            canon = seen[a]
+        memo = seen[hash(a) & MASK]
+        if a in memo:
+            canon = memo[a]
         else:
             got = _address(a)
-            canon = seen[a] = got[1] if got else None   # a str, not a tuple: no GC tracking
+            canon = memo[a] = got[1] if got else None   # a str, not a tuple: no GC tracking
         if canon is None:
             t.skipped += 1
             continue
-        names, many = (v6, multi[1]) if ":" in canon else (v4, multi[0])
+        maps, many = (v6, multi[1]) if ":" in canon else (v4, multi[0])
+        back = ptr[hash(canon) & MASK]
         for raw in f[1:]:
             name = raw.lower()
             if not name.endswith("."):
@@ -214,6 +235,7 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
             if not valid_name(name):
                 t.skipped += 1
                 continue
+            names = maps[hash(name) & MASK]
             have = names.get(name)       # _add, inlined: this loop runs once per name
             if have is None:
                 names[name] = canon
@@ -225,12 +247,13 @@ def parse(lines: Iterable[str], origins: list[str], reverse: bool = True) -> Tab
                 many[name] = [have, canon]
             if name[0] != "*":
                 if reverse:
-                    _add(ptr, rmany, canon, name)
+                    _add(back, rmany, canon, name)
             elif name[1:2] == ".":
                 t.wild = True
-    for d, many in zip((v4, v6, ptr), multi):
+    for maps, many in zip((v4, v6, ptr), multi):
         for key, values in many.items():
-            d[key] = " ".join(values)
+            maps[hash(key) & MASK][key] = " ".join(values)
+    t.empty = not any(v4) and not any(v6)
     return t
 
 
