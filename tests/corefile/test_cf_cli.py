@@ -164,3 +164,58 @@ async def test_trace_in_process_names_the_block_and_plugin_of_each_question(tmp_
         assert [x["plugin"] for x in data["walk"]["queries"] if x["type"] == "A"] == ["kubernetes"]
     finally:
         await up.stop()
+
+
+def test_agent_reload_plugin_serves_a_changed_corefile_and_keeps_serving_a_broken_one(tmp_path):
+    dns_port, prom = free_port(), free_port()
+    path = tmp_path / "Corefile"
+    text = f""".:{dns_port} {{
+    bind 127.0.0.1
+    reload 2s 1s
+    prometheus 127.0.0.1:{prom}
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+       ttl 30
+    }}
+}}
+"""
+    path.write_text(text)
+    proc = subprocess.Popen([sys.executable, "-m", "clusterdns", "agent", "--corefile", str(path), "--manifest",
+                             str(ROOT / "examples" / "demo-cluster.yaml"), "--proxy-mode", "none", "--dry-run"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    q = dns.message.make_query("testapp-svc.testapp.svc.cluster.local", "A")
+
+    def ttl() -> int | None:
+        try:
+            r = dns.query.udp(q, "127.0.0.1", port=dns_port, timeout=0.5)
+        except Exception:
+            return None
+        return r.answer[0].ttl if r.answer else None
+
+    def wait_ttl(want: int, seconds: float) -> int | None:
+        deadline, got = time.monotonic() + seconds, None
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            got = ttl()
+            if got == want:
+                return got
+            time.sleep(0.1)
+        return got
+
+    try:
+        assert wait_ttl(30, 30) == 30
+        path.write_text(text.replace("ttl 30", "ttl 12"))
+        assert wait_ttl(12, 15) == 12, "the reload plugin serves the changed Corefile"
+        path.write_text(text.replace("ttl 30", "ttl 99999"))      # a setup error
+        deadline = time.monotonic() + 15
+        failed = 0.0
+        while time.monotonic() < deadline and not failed:
+            _code, metrics_text = _get(prom, "/metrics")
+            failed = sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics_text.splitlines()
+                         if ln.startswith("coredns_reload_failed_total"))
+            time.sleep(0.2)
+        assert failed >= 1
+        assert ttl() == 12, "the running configuration keeps serving"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "plugin/reload: Corefile changed but reload failed" in out and "ttl must be in range" in out
