@@ -245,7 +245,8 @@ class FakeAPIServer:
             if asyncio.iscoroutine(result):
                 result = await result
             return result
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
+        # (generous: adding 20,000 objects takes seconds on a loaded 2-core machine)
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(60)
 
     async def _start(self) -> None:
         if self._runner is not None:

@@ -355,7 +355,13 @@ def inner_restart(args) -> dict:
             results = queue.get(timeout=60)
             th.join(10)
         else:
-            first.terminate()
+            if args.kill:
+                # a crash (OOM kill, liveness restart): the rules stay, nothing drains
+                first.kill()
+                first.wait(30)
+                t_term = time.monotonic()   # the clock starts at the new process's start
+            else:
+                first.terminate()
             second = subprocess.Popen(_agent_argv(kubeconfig, args.mode, args.lameduck, ports2, args.watch,
                                                   args.handover), stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
         while not args.overlap and not _ready(ports2[0]):
@@ -387,6 +393,7 @@ def inner_restart(args) -> dict:
     kinds: dict[str, int] = {}
     for _, r in failures:
         kinds[r] = kinds.get(r, 0) + 1
+    first_ok = next((round(t - t_term, 3) for t, r in during if r == "ok"), None)
     adopted = ""
     for line in open(logs[1].name):
         if "restart adoption ends" in line:
@@ -396,7 +403,7 @@ def inner_restart(args) -> dict:
             "probes": len(during), "failures": len(failures), "failure_kinds": kinds,
             "first_failures": failures[:10], "all_failures": failures, "sigterm_at": wall_term,
             "logs": os.path.dirname(logs[1].name), "last_failure_s": failures[-1][0] if failures else None,
-            "restart_ready_s": round(restart_ready, 2),
+            "restart_ready_s": round(restart_ready, 2), "first_right_answer_s": first_ok,
             "old_exit_s": round(old_exit, 2), "adoption": adopted,
             "first_hwm_mb": first_hwm, "second_hwm_mb": second_hwm}
 
@@ -413,6 +420,9 @@ def main() -> int:
     p.add_argument("--restart", action="store_true",
                    help="measure a cold start and a restart (SIGTERM + a new agent at once) instead")
     p.add_argument("--endpoints", type=int, default=10, help="endpoints per Service (--restart)")
+    p.add_argument("--kill", action="store_true",
+                   help="(--restart) SIGKILL the first agent (a crash: rules left in the kernel), then start "
+                        "the second; first_right_answer_s counts from the second's start")
     p.add_argument("--lameduck", type=float, default=5.0, help="the first agent's --lameduck (--restart)")
     p.add_argument("--overlap", action="store_true",
                    help="(--restart) start the second agent first, on the same ports, and SIGTERM the first "
@@ -441,6 +451,7 @@ def main() -> int:
             extra = (["--restart", "--endpoints", str(args.endpoints), "--lameduck", str(args.lameduck),
                       "--handover", str(args.handover), "--iptables-backend", args.iptables_backend]
                      + (["--overlap"] if args.overlap else [])
+                     + (["--kill"] if args.kill else [])
                      + (["--watch"] if args.watch else []) if args.restart else [])
             out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
                                   "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
@@ -460,7 +471,8 @@ def main() -> int:
                   f"{r['old_exit_s']:>7.2f}s")
             print(f"  failures by kind: {r['failure_kinds']}; first: {r['first_failures']}; "
                   f"last at {r['last_failure_s']}s after SIGTERM")
-            print(f"  second agent: {r['adoption']}")
+            print(f"  second agent: {r['adoption']}; first right answer {r['first_right_answer_s']}s after "
+                  f"{'its start (the first SIGKILLed)' if args.kill else 'SIGTERM'}")
             print(f"  agent peak RSS (VmHWM): first {r['first_hwm_mb']} MB once ready, "
                   f"second {r['second_hwm_mb']} MB 2 s after it was ready")
             if args.all_failures:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import math
+import socket
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -1270,12 +1271,20 @@ def programmed(family: int = 4, netns: str | None = None) -> dict[tuple[str, str
         raise
 
 
+_PROGRAMMED_EXPRS = frozenset({"numgen", "lookup", "immediate", "nat"})
+
+
 def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, int], frozenset[str]]:
     table = nflink._str(1, n.NFT_TABLE)
     size = 16 if family == 6 else 4
     protos = {v: k.upper() for k, v in nflink.PROTOS.items()}
 
     unpack = struct.unpack_from
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
+
+    def ntop(raw: bytes) -> str:
+        """ipaddress's text for the address (inet_ntop: a tenth of the time; 110,000 calls at scale)."""
+        return str(ipaddress.ip_address(raw)) if af == socket.AF_INET6 else socket.inet_ntop(af, raw)
 
     def walk(buf: bytes):
         """(attribute type, payload) of one attribute level, without building dicts (hot: 10^6 attributes)."""
@@ -1305,19 +1314,31 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
         """(key, data attribute or None, flags) of each element of a named set."""
         for msg in nflink.dump(nflink.GETSETELEM, family, table + nflink._str(2, set_name), netns=netns):
             for lst in msg.get(3, ()):
-                for kind, elem in walk(lst):
-                    if kind != 1:
-                        continue
-                    key = value = None
-                    flags = 0
-                    for k2, payload in walk(elem):
-                        if k2 == 1:
-                            key = data(payload)
-                        elif k2 == 2:
-                            value = payload
-                        elif k2 == 3:
-                            flags = unpack(">I", payload, 0)[0]
-                    yield key, value, flags
+                # the attribute walk inlined, two levels (hot: 210,000 elements at 10,000 x 10)
+                pos, end = 0, len(lst)
+                while pos + 4 <= end:
+                    length, kind = unpack("=HH", lst, pos)
+                    if length < 4:
+                        break
+                    nxt = pos + ((length + 3) & ~3)
+                    if kind & 0x3FFF == 1:
+                        key = value = None
+                        flags = 0
+                        p2, e2 = pos + 4, pos + length
+                        while p2 + 4 <= e2:
+                            l2, k2 = unpack("=HH", lst, p2)
+                            if l2 < 4:
+                                break
+                            k2 &= 0x3FFF
+                            if k2 == 1:
+                                key = data(lst[p2 + 4:p2 + l2])
+                            elif k2 == 2:
+                                value = lst[p2 + 4:p2 + l2]
+                            elif k2 == 3:
+                                flags = unpack(">I", lst, p2 + 4)[0]
+                            p2 += (l2 + 3) & ~3
+                        yield key, value, flags
+                    pos = nxt
 
     # ClusterIP port -> the dispatch chains it goes to
     ports: dict[tuple[str, str, int], str] = {}
@@ -1327,7 +1348,7 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
         chain = verdict_chain(value)
         if chain is None or not chain.startswith(("service-", "local-")):
             continue    # externalIPs and LB IPs go to external- chains
-        ip = str(ipaddress.ip_address(key[:size]))
+        ip = ntop(key[:size])
         ports[(ip, protos.get(key[size], str(key[size])), int.from_bytes(key[size + 4:size + 6], "big"))] = chain
     # every rule of the table: (map, offset) of each dnat, the endpoint chains of affinity dispatch
     dnat: dict[str, list[tuple[str, int]]] = {}
@@ -1345,6 +1366,8 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
             for k2, payload in walk(ex):
                 if k2 == 1:
                     name = payload.rstrip(b"\0").decode()
+                    if name not in _PROGRAMMED_EXPRS:
+                        break          # payload, cmp, meta...: their bodies say nothing here
                 elif k2 == 2:
                     body = {k3: p3 for k3, p3 in walk(payload)}
             if name == "numgen":
@@ -1360,7 +1383,7 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
                 else:                          # the address, then the port, of `dnat to IP:port`
                     raw = data(body[2])
                     if len(raw) == size:
-                        ep_ip = str(ipaddress.ip_address(raw))
+                        ep_ip = ntop(raw)
                     elif len(raw) == 2 and ep_ip:
                         direct[chain] = format_endpoint(ep_ip, int.from_bytes(raw, "big"))
             elif name == "nat" and lookup and lookup.startswith(ENDPOINTS_PREFIX):
@@ -1380,7 +1403,7 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
             if off not in wanted:
                 continue
             value = data(raw)
-            ip = str(ipaddress.ip_address(value[:size]))
+            ip = ntop(value[:size])
             port = int.from_bytes(value[size:size + 2], "big")
             in_slot.setdefault((m, off), set()).add(format_endpoint(ip, port))
     out: dict[tuple[str, str, int], frozenset[str]] = {}
