@@ -331,7 +331,18 @@ class NftExecutor:
         return res.returncode == 0
 
     async def table_listed(self, table: str = NFT_TABLE) -> bool:
-        """Whether `nft list tables` shows our table (thorough; for cleanup, not per sync)."""
+        """Whether the family's tables include ours (thorough; for cleanup, not per sync).
+
+        Over netlink, tables only, where the runner allows: `nft list tables` (the fallback)
+        loads the whole ruleset first, over two minutes with iptables-nft's rules for 10,000
+        Services, and the agent's first full sync waited on it before DNS answered."""
+        netns = self.netlink_netns
+        if netns is not False:
+            from . import nflink
+            try:
+                return table in await asyncio.to_thread(nflink.table_names, self.family, netns=netns)
+            except (nflink.NflinkError, OSError) as exc:
+                log.debug("netlink table listing failed (%s); asking nft", exc)
         res = await self.runner.run(["nft", "list", "tables", self.nft_family])
         return res.returncode == 0 and any(
             line.split()[-1:] == [table] for line in res.stdout.splitlines())

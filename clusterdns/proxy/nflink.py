@@ -988,7 +988,13 @@ __all__ = ["NflinkError", "Unsupported", "apply", "close_all", "supported"]
 # ---------------------------------------------------------------- reading (dumps)
 
 NLM_F_DUMP = 0x300
-GETRULE, GETSET, GETSETELEM = 7, 10, 13
+GETTABLE, GETRULE, GETSET, GETSETELEM = 1, 7, 10, 13
+
+
+def table_names(family: int, *, netns: str | None = None) -> list[str]:
+    """The nf_tables tables of a family: one dump of tables alone (`nft list tables` loads every
+    rule first: over two minutes with iptables-nft's 320,000 rules at 10,000 Services)."""
+    return [m[1][0].rstrip(b"\0").decode() for m in dump(GETTABLE, family, b"", netns=netns) if 1 in m]
 
 
 def attrs(data: bytes) -> dict[int, list[bytes]]:

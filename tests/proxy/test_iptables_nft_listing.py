@@ -203,3 +203,35 @@ def test_traffic_reaches_the_backend_after_a_listed_full_sync(namespaces):
     # the foreign jump is still first-class: the CNI's DNAT chain is still jumped to
     nat = iptsave.read(sh("iptables-nft-save", "-t", "nat", ns=node))["nat"]
     assert "-m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT" in [r.spec for r in nat.rules_of("PREROUTING")]
+
+
+@pytest.mark.root
+@requires("iptables-nft-restore", "nft")
+def test_table_listed_reads_tables_over_netlink_without_nft(namespaces):
+    """The leftovers check after the first full sync asks whether an nftables-mode table is there:
+    `nft list tables` would load every iptables-nft rule first (minutes at 10,000 Services),
+    so it must not run when netlink can answer."""
+    from clusterdns.proxy.apply import NftExecutor
+
+    ns = namespaces.add("tables")
+    sh("iptables-nft-restore", "--noflush", ns=ns, input=FOREIGN)
+
+    class Counting(SubprocessRunner):
+        calls: list = []
+
+        async def run(self, argv, stdin=None):
+            self.calls.append(tuple(argv))
+            return await super().run(argv, stdin)
+
+    runner = Counting(prefix=("ip", "netns", "exec", ns))
+    v4, v6 = NftExecutor(runner, 4), NftExecutor(runner, 6)
+    assert asyncio.run(v4.table_listed()) is False
+    assert asyncio.run(v4.table_listed("nat")) is True        # iptables-nft's own table
+    sh("nft", "add", "table", "ip", "kube-proxy", ns=ns)
+    assert asyncio.run(v4.table_listed()) is True
+    assert asyncio.run(v6.table_listed()) is False
+    assert runner.calls == []
+    # a runner that is not ours to bypass still asks nft
+    rec = RecordingRunner()
+    asyncio.run(NftExecutor(rec, 4).table_listed())
+    assert rec.commands() == ["nft list tables ip"]
