@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import struct
-from typing import Any, Callable
+from typing import Callable
 
 import dnslib
 
@@ -127,28 +126,8 @@ class Listener:
         self.udp_size = udp_size
         self._by_wire = {_wire_zone(z): b for z, b in blocks.items()}
         self._only = blocks["."] if list(blocks) == ["."] else None
-        self._engines: list[Any] = []
-        self._plugins: list[Plugin] = []
-        seen_e: set[int] = set()
-        seen_p: set[int] = set()
-        for b in blocks.values():
-            for p in b.plugins:
-                if id(p) not in seen_p:
-                    seen_p.add(id(p))
-                    self._plugins.append(p)
-                eng = getattr(p, "engine", None)
-                if eng is not None and id(eng) not in seen_e:
-                    seen_e.add(id(eng))
-                    self._engines.append(eng)
 
-    # --- the engine interface -----------------------------------------------------------
-
-    @property
-    def synced(self) -> bool:
-        return all(e.synced for e in self._engines)
-
-    def update(self, state) -> None:
-        """A new state version (the Corefile object calls each engine and plugin once)."""
+    # --- what the DNS server drives (the Corefile object follows the state) -------------
 
     def block_for(self, qname: str) -> tuple[str, Block] | None:
         """The block answering `qname` (lower-case FQDN) here: the longest zone match."""
@@ -162,7 +141,7 @@ class Listener:
             name = name.split(".", 1)[1] or "."
 
     def fast(self, data: bytes, tcp: bool) -> bytes | None:
-        block = self._only
+        block, end = self._only, -1
         if block is None:
             if len(data) < 17:
                 return None
@@ -182,7 +161,8 @@ class Listener:
         if fast is None:
             return None
         if block.guards:
-            end = data.find(b"\x00", 12)
+            if end < 0:
+                end = data.find(b"\x00", 12)
             if end < 0 or end + 3 > len(data):
                 return None
             qname = _dotted(data[12:end + 1].lower())
@@ -227,6 +207,8 @@ class Listener:
                       wire=data, size=limit)
         req.data["block"] = block
         question = record.questions[0]
+        # as received: the kubernetes plugin hands the wire on unchanged when no rewrite changed it
+        req.data["question"] = (str(question.qname), question.qtype, question.qclass)
         token = current.set(req)
         try:
             reply = await block.run(req)   # type: ignore[misc]
@@ -295,15 +277,6 @@ def _truncate(reply: dnslib.DNSRecord, limit: int, keep_opt: bool) -> bytes:
         reply.rr = []
         best = bytes(reply.pack())[:limit]
     return best
-
-
-def rcode_of(reply: bytes) -> int:
-    return reply[3] & 0xF if len(reply) >= 4 else -1
-
-
-def qtype_of(data: bytes) -> int:
-    end = data.find(b"\x00", 12)
-    return struct.unpack_from(">H", data, end + 1)[0] if 0 < end and end + 3 <= len(data) else 0
 
 
 __all__ = ["Block", "Listener", "current", "metrics"]

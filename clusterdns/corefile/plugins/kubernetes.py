@@ -91,11 +91,8 @@ class Kubernetes(Plugin):
 
 def _same_question(req: Request) -> bool:
     """Is req.record's question still the one on the wire (no rewrite in front)?"""
-    orig = req.data.get("original_question")
-    if orig is None:
-        orig = req.data["original_question"] = dnslib.DNSRecord.parse(req.wire).q
     q = req.record.q
-    return str(q.qname) == str(orig.qname) and q.qtype == orig.qtype and q.qclass == orig.qclass
+    return req.data.get("question") == (str(q.qname), q.qtype, q.qclass)
 
 
 def setup(d: Directive, ctx: SetupContext) -> Plugin:
