@@ -158,14 +158,14 @@ def _digest(blocks: list[ServerBlock]) -> str:
 
 def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env: Mapping[str, str] | None = None,
           dns_server: str | None = None) -> Corefile:
-    from .keys import parse_keys
+    from .keys import check_duplicates, parse_keys
     env = os.environ if env is None else env
     built: list[Block] = []
     placed: dict[tuple[str, int], dict[str, Block]] = {}
-    key_at: dict[tuple[str, int, str], Token] = {}
     bound_ports: dict[int, set[bool]] = {}
     cf = Corefile(path=path, blocks=built, listeners={}, digest=_digest(blocks))
     engines: dict[tuple, Any] = {}
+    parsed = []
     for sb in blocks:
         keys = parse_keys(sb)
         for k in keys:
@@ -173,27 +173,23 @@ def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env
                 raise CorefileError(k.token, f"{k.scheme}:// servers are not supported (only dns://)")
         zones = list(dict.fromkeys(k.zone for k in keys))
         plugins, binds = _setup_block(sb, zones, cfg, path, env, dns_server)
-        server = f"dns://:{keys[0].port}" if keys else ""
+        parsed.append((sb, keys, zones, plugins, binds))
+    # CoreDNS's startup check, on the addresses bind resolved to (interface names included)
+    check_duplicates([(keys, binds) for _sb, keys, _z, _p, binds in parsed])
+    for sb, keys, zones, plugins, binds in parsed:
         for p in plugins:
             if p.name == "kubernetes":
                 _engine_for(p, engines, cf)
-        block = Block(zones, plugins, where=sb.where, server=server)
+        block = Block(zones, plugins, where=sb.where, server=f"dns://:{keys[0].port}" if keys else "")
         built.append(block)
         cf.keys[id(block)] = [t.text for t in sb.keys]
-        addresses = binds or ["0.0.0.0"]
         for k in keys:
             bound_ports.setdefault(k.port, set()).add(bool(binds))
             if len(bound_ports[k.port]) > 1:
                 raise CorefileError(k.token, f"blocks on port {k.port} must all use bind or none "
                                              "(a block without bind would receive nothing or random traffic)")
-            for host in addresses:
-                zmap = placed.setdefault((host, k.port), {})
-                if k.zone in zmap:
-                    first = key_at[(host, k.port, k.zone)]
-                    raise CorefileError(k.token, f"cannot serve dns://{k.zone}:{k.port} - it is already defined"
-                                                 + (f" (at {first.where})" if first.where else ""))
-                zmap[k.zone] = block
-                key_at[(host, k.port, k.zone)] = k.token
+            for host in binds or ["0.0.0.0"]:
+                placed.setdefault((host, k.port), {})[k.zone] = block
         _process_settings(cf, plugins)
     cf.listeners = {hp: Listener(hp[0], hp[1], zmap, cfg.dns.udp_size) for hp, zmap in placed.items()}
     seen: set[int] = set()

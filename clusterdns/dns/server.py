@@ -196,10 +196,12 @@ def _set_buffers(sock: socket.socket) -> None:
                 continue
 
 
-def interface_addresses() -> list[str]:
-    """Every address on this host's interfaces (for a wildcard listener's NS records)."""
+def interface_addresses(device: str = "") -> list[str]:
+    """Every address on this host's interfaces, or on one (a wildcard listener's NS records,
+    a Corefile's `bind INTERFACE`)."""
     try:
-        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+        out = subprocess.run(["ip", "-j", "addr", "show"] + (["dev", device] if device else []),
+                             capture_output=True, text=True, timeout=5).stdout
         return [a["local"] for link in json.loads(out or "[]") for a in link.get("addr_info", []) if "local" in a]
     except (OSError, ValueError, subprocess.SubprocessError):
         return []

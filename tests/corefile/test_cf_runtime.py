@@ -208,3 +208,14 @@ async def test_reload_serves_a_changed_corefile_and_keeps_the_running_one_when_b
         assert sample("coredns_reload_failed_total") == failed + 1
         r = await s.ask(SVC, "A")                         # the running configuration keeps serving
         assert r.answer[0].ttl == 12 and served["corefile"] is reloader.current
+
+
+def test_bind_takes_an_interface_name_and_a_duplicate_through_it_is_refused(tmp_path):
+    path = tmp_path / "Corefile"
+    path.write_text(".:5300 {\n    bind lo\n    loop\n}\n")
+    cf = load_corefile(str(path), Config.from_options("dns", corefile=str(path)))
+    assert ("127.0.0.1", 5300) in cf.listeners
+    # lo and 127.0.0.1 are one address: the second block serves a zone already defined there
+    path.write_text(".:5300 {\n    bind lo\n    loop\n}\n.:5300 {\n    bind 127.0.0.1\n    loop\n}\n")
+    with pytest.raises(CorefileError, match=r"Corefile:5: cannot serve .*:5300 - it is already defined"):
+        load_corefile(str(path), Config.from_options("dns", corefile=str(path)))

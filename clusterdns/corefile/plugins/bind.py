@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
+from ...dns.server import interface_addresses
 from ..plugin import Plugin, SetupContext
 from ..syntax import Directive, plugin_error
 
@@ -19,19 +20,6 @@ class Bind(Plugin):
         return text + (" except " + " ".join(self.excluded) if self.excluded else "")
 
 
-def interface_addresses(name: str) -> list[str]:
-    import json
-    import subprocess
-    try:
-        out = subprocess.run(["ip", "-j", "addr", "show", "dev", name], capture_output=True, text=True,
-                             timeout=5).stdout
-        links = json.loads(out or "[]")
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return []
-    return [a["local"] for link in links for a in link.get("addr_info", [])
-            if "local" in a and not a["local"].startswith("fe80:")]
-
-
 def resolve(d: Directive, items: list[str]) -> list[str]:
     out: list[str] = []
     for item in items:
@@ -40,7 +28,7 @@ def resolve(d: Directive, items: list[str]) -> list[str]:
             continue
         except ValueError:
             pass
-        found = interface_addresses(item)
+        found = [a for a in interface_addresses(item) if not a.startswith("fe80:")]
         if not found:
             raise plugin_error(d, f"not a valid IP address or interface name: {item}", "bind")
         out += found
