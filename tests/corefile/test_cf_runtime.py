@@ -217,5 +217,5 @@ def test_bind_takes_an_interface_name_and_a_duplicate_through_it_is_refused(tmp_
     assert ("127.0.0.1", 5300) in cf.listeners
     # lo and 127.0.0.1 are one address: the second block serves a zone already defined there
     path.write_text(".:5300 {\n    bind lo\n    loop\n}\n.:5300 {\n    bind 127.0.0.1\n    loop\n}\n")
-    with pytest.raises(CorefileError, match=r"Corefile:5: cannot serve .*:5300 - it is already defined"):
+    with pytest.raises(CorefileError, match=r"Corefile:5: cannot serve dns://\.:5300 on 127\.0\.0\.1 - it is already defined"):
         load_corefile(str(path), Config.from_options("dns", corefile=str(path)))
