@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from . import kpconfig
 from .errors import ConfigError
-from .proxy import kpconfig
 
 COMMANDS = ("agent", "dns", "proxy", "rules", "trace", "corefile", "config")
 PROXY_MODES = ("iptables", "nftables", "ipvs", "none")
@@ -108,7 +108,7 @@ class ProxyConfig:
     ip_family: str = ""                    # rules: ipv4|ipv6; empty = family of first node IP
     sync_period: float = 30.0
     min_sync_period: float = 1.0
-    proxy_config: str = ""                 # kube-proxy's config file (proxy/kpconfig.py)
+    proxy_config: str = ""                 # kube-proxy's config file (kpconfig.py)
     detect_local_mode: str = ""            # "" / ClusterCIDR: --cluster-cidr
     pod_bridge_interface: str = ""
     pod_interface_name_prefix: str = ""

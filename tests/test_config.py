@@ -89,7 +89,7 @@ def test_every_flag_lands_in_exactly_one_section():
     seen = set()
     for command, action in _option_actions():
         if action.dest.startswith("kp_"):
-            continue   # kube-proxy's flags, made options by proxy/kpconfig.apply
+            continue   # kube-proxy's flags, made options by kpconfig.apply
         dest = "trace_resolv_conf" if (command, action.dest) == ("trace", "resolv_conf") else action.dest
         homes = [s for s, names in sections.items() if dest in names]
         assert len(homes) == 1, f"{command} {action.option_strings or dest}: in sections {homes}"

@@ -28,13 +28,6 @@ RULES = (
     ("clusterdns.sources", "clusterdns.commands"),
 )
 CLI_IMPORTERS = {"clusterdns.__main__"}   # the one module that may import clusterdns.cli
-# Modules that live in a half but belong to the configuration layer every command reads, and may
-# so be reached from the other half. Their own imports are still checked (they are in their half),
-# and so is their package's __init__ unless it imports nothing.
-CONFIG_LAYER = {
-    # KubeProxyConfiguration's reader: config.py adds its flags to every command's parser.
-    "clusterdns.proxy.kpconfig",
-}
 
 
 def within(name: str, package: str) -> bool:
@@ -102,14 +95,13 @@ def import_graph(package_dir: Path) -> dict[str, set[str]]:
     return graph
 
 
-def chain(graph: dict[str, set[str]], start: str, forbidden: str,
-          exempt: frozenset[str] | set[str] = frozenset()) -> list[str] | None:
-    """The shortest import chain from `start` to a module of `forbidden` (but `exempt`), or None."""
+def chain(graph: dict[str, set[str]], start: str, forbidden: str) -> list[str] | None:
+    """The shortest import chain from `start` to a module of `forbidden`, or None."""
     seen = {start: ""}
     queue = deque(seen)
     while queue:
         mod = queue.popleft()
-        if within(mod, forbidden) and mod not in exempt:
+        if within(mod, forbidden):
             path = [mod]
             while seen[path[-1]]:
                 path.append(seen[path[-1]])
@@ -121,24 +113,13 @@ def chain(graph: dict[str, set[str]], start: str, forbidden: str,
     return None
 
 
-def _exempting(graph: dict[str, set[str]], exempt: set[str]) -> set[str]:
-    """`exempt`, and the package of each if its __init__ imports nothing (importing it runs nothing)."""
-    out = set(exempt)
-    for mod in exempt:
-        parent = mod.rpartition(".")[0]
-        if mod in graph and parent in graph and graph[parent] <= set(_parents(parent)):
-            out.add(parent)
-    return out
-
-
 def violations(graph: dict[str, set[str]], rules=RULES, cli_importers=CLI_IMPORTERS,
-               top: str = "clusterdns", exempt: set[str] = CONFIG_LAYER) -> list[str]:
+               top: str = "clusterdns") -> list[str]:
     out = []
-    exempt = _exempting(graph, exempt)
     for importer, forbidden in rules:
         for mod in sorted(graph):
             if within(mod, importer):
-                found = chain(graph, mod, forbidden, exempt)
+                found = chain(graph, mod, forbidden)
                 if found:
                     out.append(f"{importer} imports {forbidden}: " + " -> ".join(found))
     for mod in sorted(graph):
@@ -191,15 +172,6 @@ def test_the_check_sees_lazy_relative_and_transitive_crossings(tmp_path):
         "clusterdns.sources imports clusterdns.cli: clusterdns.sources.manifest -> clusterdns.cli",
         "clusterdns.sources.manifest imports the CLI (clusterdns.cli)",
     ], found
-    # A configuration-layer module may be reached from the other half, but its own imports still count.
-    pkg_files = {"clusterdns/proxy/kpconfig.py": "from ..errors import E\n", "clusterdns/errors.py": "",
-                 "clusterdns/dns/zone.py": "from ..proxy import kpconfig\n"}
-    _write(tmp_path, pkg_files)
-    exempt = {"clusterdns.proxy.kpconfig"}
-    assert [v for v in violations(import_graph(pkg), exempt=exempt) if "dns.zone" in v] == []
-    (pkg / "proxy" / "kpconfig.py").write_text("from . import names\n")
-    assert "clusterdns.dns imports clusterdns.proxy: clusterdns.dns.zone -> clusterdns.proxy.kpconfig -> " \
-           "clusterdns.proxy.names" in violations(import_graph(pkg), exempt=exempt)
     # A package's __init__ counts: importing clusterdns.proxy.x runs it.
     (pkg / "proxy" / "__init__.py").write_text("from ..dns import metrics\n")
     assert any(v.startswith("clusterdns.proxy imports clusterdns.dns: clusterdns.proxy.names -> clusterdns.proxy -> "
@@ -224,15 +196,4 @@ def test_importing_a_half_loads_nothing_of_the_other(half, other):
     assert res.returncode == 0, res.stderr[-3000:]
     loaded = json.loads(res.stdout)
     assert set(names) <= set(loaded)
-    # The configuration layer's modules of the other half, and their package (if it imports nothing).
-    allowed = CONFIG_LAYER | {m.rpartition(".")[0] for m in CONFIG_LAYER}
-    assert [m for m in loaded if within(m, other) and m not in allowed] == []
-
-
-def test_the_configuration_layer_reaches_no_other_module_of_its_half():
-    graph = import_graph(PACKAGE)
-    for mod in CONFIG_LAYER:
-        assert mod in graph, f"{mod} is gone: drop it from CONFIG_LAYER"
-        half = mod.rpartition(".")[0]
-        assert chain(graph, mod, half, _exempting(graph, CONFIG_LAYER)) is None
-        assert graph[half] <= set(_parents(half)), f"{half}/__init__ imports: {graph[half]}"
+    assert [m for m in loaded if within(m, other)] == []

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import kpconfig
 from ..config import Config
 from ..errors import UsageError
-from ..proxy import kpconfig
 from ..proxy.sysctl import conntrack_max
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from clusterdns import kpconfig
 from clusterdns.config import ConntrackConfig, load
 from clusterdns.errors import ConfigError
-from clusterdns.proxy import kpconfig
-from clusterdns.proxy.kpconfig import KubeProxyConfigError, format_duration, loads, parse_duration
+from clusterdns.kpconfig import KubeProxyConfigError, format_duration, loads, parse_duration
 
 REAL = Path("/work/shared/reference/kubeproxy-config/real")
 needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="reference configs not present")

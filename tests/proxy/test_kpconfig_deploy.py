@@ -139,6 +139,7 @@ def test_config_check_names_the_interface_detector(tmp_path):
 def test_bind_address_hard_fail(tmp_path):
     """bindAddressHardFail: a healthz address that cannot be bound ends the process; without it the
     listener is retried every 5 s while the proxier runs (kube-proxy's two behaviours)."""
+    import select
     import socket
     import time
     busy = socket.socket()
@@ -159,12 +160,23 @@ def test_bind_address_hard_fail(tmp_path):
         assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
         f.write_text(base)
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        seen = []
         try:
-            time.sleep(3)
-            assert proc.poll() is None
+            # Wait for the line rather than a fixed time: a loaded machine starts the process slowly.
+            # (select: a process that stays silent must fail the test, not hang it)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                if not select.select([proc.stderr], [], [], 1)[0]:
+                    continue
+                line = proc.stderr.readline()
+                seen.append(line)
+                if "retrying every 5s" in line:
+                    break
+            assert proc.poll() is None, "".join(seen)
         finally:
             proc.terminate()
             _, err = proc.communicate(timeout=30)
-        assert f"cannot listen on 127.0.0.1:{port}" in err and "retrying every 5s" in err
+        err = "".join(seen) + err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "retrying every 5s" in err, err
     finally:
         busy.close()

@@ -33,7 +33,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 log = logging.getLogger("clusterdns.kpconfig")
 
@@ -815,7 +815,7 @@ def _listen(addr: str) -> str:
 
 def options(kp: KubeProxyConfig) -> dict[str, Any]:
     """clusterdns's options (flag names) for what the file says."""
-    from ..config import ConntrackConfig
+    from .config import ConntrackConfig
     t = kp.tree
     bind = _parse_ip(t["bindAddress"])
     ct = t["conntrack"]
@@ -977,7 +977,7 @@ def _from_kube_proxy_flags(values: dict[str, Any]) -> dict[str, Any]:
         out["localhost_nodeports"] = kp["iptables_localhost_nodeports"]
     conntrack = {k[len("conntrack_"):]: v for k, v in kp.items() if k.startswith("conntrack_")}
     if conntrack:
-        from ..config import ConntrackConfig
+        from .config import ConntrackConfig
         names = {"tcp_timeout_established": "tcp_established_timeout",
                  "tcp_timeout_close_wait": "tcp_close_wait_timeout",
                  "udp_timeout_stream": "udp_stream_timeout"}
