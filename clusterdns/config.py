@@ -73,6 +73,7 @@ class DnsConfig:
     memo_probation: int = 20_000           # prebuilt answers of names asked once so far
     corefile: str = ""                     # a CoreDNS / node-local-dns Corefile: what DNS serves, and where
     corefile_flags: tuple[str, ...] = ()   # the DNS flags given beside --corefile (checked against it)
+    cluster_corefile: str = ""             # the cluster DNS's Corefile a node-local one's forwards reach
 
     @property
     def cluster_domain(self) -> str:
@@ -248,6 +249,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     a("--manifest", action="append", metavar="PATH", default=S, help="read state from this file (repeatable)")
     a("--corefile", metavar="FILE", default=S,
       help="serve DNS as this CoreDNS (or node-local-dns) Corefile says (agent, dns)")
+    a("--cluster-corefile", metavar="FILE", default=S,
+      help="with a node-local-dns --corefile: the cluster DNS's (coredns) Corefile its forwards to the "
+           "cluster DNS are answered with, in this process")
     a("--manifest-max-bytes", type=int, metavar="BYTES", default=S,
       help="refuse a manifest file bigger than this (default 256 MiB)")
     a("--manifest-max-objects", type=int, metavar="N", default=S,
@@ -510,6 +514,9 @@ def load(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     values.update(flags)
     if values.get("corefile"):
         values["corefile_flags"] = _corefile_flags(values)
+    elif values.get("cluster_corefile"):
+        raise ConfigError("--cluster-corefile: it names what a node-local-dns Corefile forwards to; "
+                          "give that Corefile with --corefile")
     values = kpconfig.apply(values)
     if "fallthrough" in values and values["fallthrough"] is not None:
         values["fallthrough"] = tuple(values["fallthrough"])

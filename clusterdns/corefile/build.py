@@ -9,8 +9,11 @@ listeners and which block each zone goes to on each, and the process-wide settin
 
 A node-local-dns Corefile (its __PILLAR__ placeholders, filled as node-cache fills
 them) forwards the cluster zones to the cluster DNS: that forward is answered in
-this process from the state by an implicit kubernetes plugin with the flags'
-settings, then the node's upstreams (what the cluster DNS itself would do).
+this process. With the cluster DNS's own Corefile (--cluster-corefile, the
+coredns ConfigMap) the query runs that Corefile's chain (its block on the port
+forwarded to: kubernetes, hosts, rewrite... as CoreDNS would answer it), whose
+listeners are not bound; without it, an implicit kubernetes plugin with the flags'
+settings answers, then the node's upstreams (what the cluster DNS itself would do).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class Corefile:
     engines: list[Any] = field(default_factory=list)
     plugins: list[Plugin] = field(default_factory=list)
     keys: dict[int, list[str]] = field(default_factory=dict)     # id(block) -> its keys, as written
+    cluster: "Corefile | None" = None     # --cluster-corefile: what the forwards to the cluster DNS run
 
     @property
     def synced(self) -> bool:
@@ -86,14 +90,33 @@ class Corefile:
         out.append("process: " + ", ".join(f"{k} {v or 'off'}" for k, v in settings)
                    + (f", lameduck {self.lameduck:g}s" if self.lameduck else "")
                    + (f", reload every {self.reload[0]:g}s" if self.reload else ", no reload"))
+        if self.cluster is not None:
+            out.append(f"cluster DNS (answered in this process, its listeners not bound; its health, ready "
+                       f"and prometheus not served): {self.cluster.describe()}")
         return "\n".join(out)
 
 
 def load_corefile(path: str, cfg: Config, env: Mapping[str, str] | None = None,
                   dns_server: str | None = None) -> Corefile:
-    """Read, fill node-cache's placeholders when there are any, set up; CorefileError on any fault."""
-    from . import parse
+    """Read, fill node-cache's placeholders when there are any, set up; CorefileError on any fault.
+    With cfg.dns.cluster_corefile, that Corefile is set up first: the forwards to the cluster DNS run it."""
     env = os.environ if env is None else env
+    cluster = None
+    domain = cfg.dns.cluster_domain
+    if cfg.dns.cluster_corefile:
+        cpath = cfg.dns.cluster_corefile
+        cluster = build(_read(cpath, cfg, env, None, domain), cfg, path=cpath, env=env)
+        zones = [z for b in cluster.blocks if b.kube is not None for z in b.kube.zones]  # type: ignore[attr-defined]
+        if not zones:
+            raise CorefileError("", f"--cluster-corefile {cpath}: no kubernetes plugin (the cluster DNS's "
+                                    "Corefile, the coredns ConfigMap, is meant)")
+        domain = next((z for z in zones if not z.endswith("arpa.")), zones[0]).rstrip(".") or domain
+    cf = build(_read(path, cfg, env, dns_server, domain), cfg, path=path, env=env, dns_server=dns_server, cluster=cluster)
+    return cf
+
+
+def _read(path: str, cfg: Config, env: Mapping[str, str], dns_server: str | None, domain: str) -> list[ServerBlock]:
+    from . import parse
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -102,16 +125,16 @@ def load_corefile(path: str, cfg: Config, env: Mapping[str, str] | None = None,
     except UnicodeDecodeError:
         raise CorefileError("", f"{path}: not UTF-8 text") from None
     if "__PILLAR__" in text:
-        text = _fill_pillars(text, cfg, dns_server, path)
-    blocks = parse.parse_text(text, filename=path, env=env, base_dir=os.path.dirname(os.path.abspath(path)))
-    return build(blocks, cfg, path=path, env=env, dns_server=dns_server)
+        text = _fill_pillars(text, cfg, dns_server, path, domain)
+    return parse.parse_text(text, filename=path, env=env, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def prepare(cfg: Config, dns_server: str | None = None) -> tuple[Corefile, Config]:
     """cfg.dns.corefile loaded and checked against the flags given beside it; the config the
     process's listeners take from it (health, ready, metrics addresses, lameduck)."""
     cf = load_corefile(cfg.dns.corefile, cfg, dns_server=dns_server)
-    if any(b.kube is not None and not getattr(b.kube, "implicit", False) for b in cf.blocks):
+    if cf.cluster is not None or any(b.kube is not None and not getattr(b.kube, "implicit", False)
+                                     for b in cf.blocks):
         for name in cfg.dns.corefile_flags:
             flag = "--" + ("zone" if name == "zones" else name.replace("_", "-"))
             raise CorefileError("", f"{flag}: with --corefile the Corefile's kubernetes plugin says this; "
@@ -130,12 +153,12 @@ def _listen(addr: str) -> str:
     return "0.0.0.0" + addr if addr.startswith(":") else addr
 
 
-def _fill_pillars(text: str, cfg: Config, dns_server: str | None, path: str) -> str:
+def _fill_pillars(text: str, cfg: Config, dns_server: str | None, path: str, domain: str) -> str:
     from . import pillars
     upstream = " ".join(cfg.dns.upstream) if cfg.dns.upstream else cfg.dns.resolv_conf
     try:
         return pillars.fill(text, local_ips=list(cfg.dns.local_ips), dns_server=dns_server,
-                            cluster_domain=cfg.dns.cluster_domain, upstream=upstream, cluster_dns=None)
+                            cluster_domain=domain, upstream=upstream, cluster_dns=None)
     except CorefileError:
         raise
     except ValueError as exc:
@@ -157,7 +180,7 @@ def _digest(blocks: list[ServerBlock]) -> str:
 
 
 def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env: Mapping[str, str] | None = None,
-          dns_server: str | None = None) -> Corefile:
+          dns_server: str | None = None, cluster: Corefile | None = None) -> Corefile:
     from .keys import check_duplicates, parse_keys
     env = os.environ if env is None else env
     built: list[Block] = []
@@ -172,7 +195,7 @@ def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env
             if k.scheme != "dns":
                 raise CorefileError(k.token, f"{k.scheme}:// servers are not supported (only dns://)")
         zones = list(dict.fromkeys(k.zone for k in keys))
-        plugins, binds = _setup_block(sb, zones, cfg, path, env, dns_server)
+        plugins, binds = _setup_block(sb, zones, cfg, path, env, dns_server, cluster)
         parsed.append((sb, keys, zones, plugins, binds))
     # CoreDNS's startup check, on the addresses bind resolved to (interface names included)
     check_duplicates([(keys, binds) for _sb, keys, _z, _p, binds in parsed])
@@ -199,6 +222,15 @@ def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env
                 seen.add(id(p))
                 cf.plugins.append(p)
     cf.engines = list(engines.values())
+    if cluster is not None:
+        if not any(getattr(p, "hop", None) is not None for p in cf.plugins):
+            raise CorefileError("", f"--cluster-corefile {cluster.path}: {path} forwards nothing to the cluster "
+                                    "DNS (a node-local-dns Corefile's __PILLAR__CLUSTER__DNS__ or the kube-dns "
+                                    "Service's address)")
+        cf.cluster = cluster
+        cf.engines += cluster.engines
+        cf.plugins += [p for p in cluster.plugins if p not in cf.plugins]
+        cf.digest = hashlib.sha512((cf.digest + cluster.digest).encode()).hexdigest()
     return cf
 
 
@@ -221,7 +253,7 @@ def _addresses(cf: Corefile) -> list[str]:
 
 
 def _setup_block(sb: ServerBlock, zones: list[str], cfg: Config, path: str, env: Mapping[str, str],
-                 dns_server: str | None) -> tuple[list[Plugin], list[str]]:
+                 dns_server: str | None, cluster: Corefile | None = None) -> tuple[list[Plugin], list[str]]:
     counts: dict[str, Directive] = {}
     directives: list[Directive] = []
     for d in sb.directives:
@@ -245,6 +277,8 @@ def _setup_block(sb: ServerBlock, zones: list[str], cfg: Config, path: str, env:
         kube = registry.setup_for("kubernetes")(kube_d, ctx)
         ctx.state_zones = list(kube.zones)     # type: ignore[attr-defined]
         plugins.append((registry.rank("kubernetes"), 0, kube))
+    elif implicit and cluster is not None:
+        ctx.state_zones = [z for b in cluster.blocks if b.kube is not None for z in b.kube.zones]  # type: ignore[attr-defined]
     elif implicit:
         kube = _implicit_kubernetes(implicit[0], ctx, cfg)
         ctx.state_zones = list(kube.zones)     # type: ignore[attr-defined]
@@ -253,6 +287,10 @@ def _setup_block(sb: ServerBlock, zones: list[str], cfg: Config, path: str, env:
     for i, d in enumerate(directives):
         name = d.name.lower()
         if name == "kubernetes":
+            continue
+        if d in implicit and cluster is not None:
+            from .inprocess import setup_hop
+            plugins.append((registry.rank(name), i, setup_hop(d, cluster)))
             continue
         if d in implicit:
             d = _node_upstream_forward(d, cfg)

@@ -66,6 +66,15 @@ class Block:
             self.tail = _chain([], names)
             self.guards = []
             self.fast = None
+            # a hop into the cluster DNS's Corefile (inprocess.py): its listener's memo, behind
+            # the same guards, and the hop's own (the names it takes)
+            hop = next((p for p in self.answering if getattr(p, "hop", None) is not None), None)
+            if hop is not None:
+                front = self.answering[:self.answering.index(hop)]
+                self.guards = [p for p in front
+                               if p.name not in STATE_TRANSPARENT or not getattr(p, "state_transparent", True)]
+                self.guards.append(hop)
+                self.fast = hop.hop.fast       # type: ignore[attr-defined]
 
     def describe(self) -> list[str]:
         out = []
