@@ -2,8 +2,9 @@
 
     python3 bench/proxy/render_cache.py [--services 2000] [--endpoints 10] [--runs 5] [--modes iptables,nftables,ipvs]
 
-A cold render starts with the caches cleared (clusterdns.proxy.servicemap.clear_caches);
-a warm one renders the same state again. Process time of the render alone, medians of
+A cold render starts with a new render cache (each backend owns one: iptables.RenderCache,
+nftables.RenderCache, servicemap.PortsCache for ipvs); a warm one renders the same state
+again with it. Process time of the render alone, medians of
 --runs, and the warm/cold ratio measured in the same run (the machine is shared: compare
 ratios, not absolute figures).
 """
@@ -19,10 +20,10 @@ from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
 
 CFG = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",), cluster_cidrs=("10.0.0.0/8",))
-RENDERS = {
-    "iptables": lambda st: iptables.render(st, CFG, 4),
-    "nftables": lambda st: nftables.render(st, CFG, 4),
-    "ipvs": lambda st: ipvs.render(st, CFG, 4),
+RENDERS = {   # (render, the cache its backend owns)
+    "iptables": (lambda st, c: iptables.render(st, CFG, 4, cache=c), iptables.RenderCache),
+    "nftables": (lambda st, c: nftables.render(st, CFG, 4, cache=c), nftables.RenderCache),
+    "ipvs": (lambda st, c: ipvs.render(st, CFG, 4, cache=c), servicemap.PortsCache),
 }
 
 
@@ -42,12 +43,12 @@ def main() -> None:
     st = state_from_records(synthetic_records(a.services, a.endpoints))
     print(f"{a.services} Services x {a.endpoints} endpoints, medians of {a.runs} runs (process time)")
     for mode in a.modes.split(","):
-        render = RENDERS[mode]
+        render, new_cache = RENDERS[mode]
         cold, warm = [], []
         for _ in range(a.runs):
-            servicemap.clear_caches()
-            cold.append(timed(lambda: render(st)))
-            warm.append(timed(lambda: render(st)))
+            c = new_cache()
+            cold.append(timed(lambda: render(st, c)))
+            warm.append(timed(lambda: render(st, c)))
         c, w = statistics.median(cold), statistics.median(warm)
         print(f"  {mode:9s} cold {c * 1000:8.1f} ms   warm {w * 1000:8.1f} ms   warm/cold {w / c:.2f}")
 

@@ -26,8 +26,8 @@ from .servicemap import (
     Categorized,
     EndpointInfo,
     NodeInfo,
+    PortsCache,
     ServicePortInfo,
-    cache,
     localhost_nodeports,
     node_info,
     service_ports,
@@ -118,7 +118,8 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
            existing: dict[str, set[str]] | None = None,
            jumps: bool = True,
            previous: RuleSet | None = None,
-           listing: bool = False) -> RuleSet:
+           listing: bool = False,
+           cache: RenderCache | None = None) -> RuleSet:
     """The iptables-restore text for `state`.
 
     only: None for a full sync; else the Service keys whose per-service chains
@@ -134,17 +135,35 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
     inserts the jumps from the built-in chains. listing: a full text for iptables-nft
     (see apply.whole_table_cache) whose nat table, when it declares many chains, lists
     the table (`-S`) before the chains are declared, after its jumps and their targets:
-    the same rules, loaded in linear time.
+    the same rules, loaded in linear time. cache: per-Service work kept across
+    renders by the caller (output never depends on it).
     """
     with gc_paused():
-        return _render(state, cfg, family, only, existing, jumps, previous, listing)
+        return _render(state, cfg, family, only, existing, jumps, previous, listing, cache)
+
+
+class RenderCache:
+    """Per-service-port blocks across renders, owned by whoever renders repeatedly (the backend).
+
+    entries: port name -> ((info, cat), block) for one context. servicemap
+    hands out the same (info, cat) pair while a Service and its slices are
+    unchanged (through `ports`), so a hit is an identity check; everything
+    else a block depends on is in the context.
+    """
+
+    __slots__ = ("context", "entries", "ports")
+
+    def __init__(self) -> None:
+        self.context: tuple | None = None
+        self.entries: dict[str, tuple] = {}
+        self.ports = PortsCache()
 
 
 def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, str]] | None,
             existing: dict[str, set[str]] | None, jumps: bool,
-            previous: RuleSet | None = None, listing: bool = False) -> RuleSet:
+            previous: RuleSet | None, listing: bool, cache: RenderCache | None) -> RuleSet:
     node = node_info(state, cfg, family)
-    ports = service_ports(state, cfg, family)
+    ports = service_ports(state, cfg, family, cache.ports if cache is not None else None)
     mark = mark_hex(cfg)
     full = only is None
     local_np = localhost_nodeports(cfg, node, family)
@@ -178,16 +197,16 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     delta = not full and previous is not None
     blocks: dict[tuple[str, str], list[tuple[str, str, int]]] = {}   # delta: changed Services' chains
     ctx = (family, node.local_cidr, node.local_iface, node.primary_ip, cfg.proxy.masquerade_all, large)
-    old = _BLOCKS.get(ctx, {})
-    cache: dict[int, tuple] = {}
+    old = cache.entries if cache is not None and cache.context == ctx else {}
+    entries: dict[str, tuple] = {}
     for pair in ports:
         info, cat = pair
-        hit = old.get(id(info))
+        hit = old.get(info.name)
         if hit is not None and hit[0] is pair:
             block = hit[1]
         else:
             block = _service(info, cat, node, cfg, large)
-        cache[id(info)] = (pair, block)   # the pair holds info alive: its id is not reused
+        entries[info.name] = (pair, block)
         f_rules, top, chains, decls, rules, count = block
         t = tops.get(info.service)
         if t is None:
@@ -211,7 +230,9 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
                 svc_blocks.append(rules)
                 svc_rule_count += count
     nat_active.update(svc_chain_names)
-    _remember(ctx, cache)
+    if cache is not None:
+        # only this render's ports are kept: bounded by the state
+        cache.context, cache.entries = ctx, entries
 
     # the last rule of KUBE-SERVICES: hand NodePorts over
     np_comment = '"kubernetes service nodeports; NOTE: this must be the last rule in this chain"'
@@ -354,22 +375,6 @@ def _delta(previous: RuleSet, tops: dict, only: set[tuple[str, str]],
     counts = {"filter": len(f_add), "nat": len(n_add) + svc_rule_count}
     return RuleSet(text=text, chains=chains, counts=counts,
                    deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large, tops=tops)
-
-
-# Per-service blocks across renders: context -> id(info) -> ((info, cat), block).
-# servicemap hands out the same (info, cat) pair while a Service and its
-# slices are unchanged, so a hit is an identity check; everything else a
-# block depends on is in the context.
-_BLOCKS: dict[tuple, dict[int, tuple]] = cache({})
-_BLOCK_CONTEXTS = 2
-
-
-def _remember(ctx: tuple, cache: dict[int, tuple]) -> None:
-    """Keep only this render's blocks (bounded by the state), for a few contexts."""
-    _BLOCKS.pop(ctx, None)
-    while len(_BLOCKS) >= _BLOCK_CONTEXTS:
-        _BLOCKS.pop(next(iter(_BLOCKS)))
-    _BLOCKS[ctx] = cache
 
 
 def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config,
@@ -660,4 +665,4 @@ def foreign_cleanup_text(save_text: str, keep: dict[str, frozenset[str] | set[st
     return "\n".join(out) + "\n" if out else ""
 
 
-__all__ = ["RuleSet", "cleanup_saved", "cleanup_text", "foreign_cleanup_text", "jump_rules", "probability", "render"]
+__all__ = ["RenderCache", "RuleSet", "cleanup_saved", "cleanup_text", "foreign_cleanup_text", "jump_rules", "probability", "render"]

@@ -20,7 +20,7 @@ from ..config import Config
 from ..lifetime import gc_paused
 from ..state import ClusterState
 from .iptables import mark_hex
-from .servicemap import Categorized, ServicePortInfo, node_info, parse_endpoint, service_ports
+from .servicemap import Categorized, PortsCache, ServicePortInfo, node_info, parse_endpoint, service_ports
 
 SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq")
 DEVICE = "kube-ipvs0"
@@ -152,15 +152,17 @@ def set_name(name: str, family: int) -> str:
     return name
 
 
-def render(state: ClusterState, cfg: Config, family: int = 4, *, scheduler: str = "") -> IpvsConfig:
+def render(state: ClusterState, cfg: Config, family: int = 4, *, scheduler: str = "",
+           cache: PortsCache | None = None) -> IpvsConfig:
+    """The IPVS configuration for `state`. cache: servicemap's work kept across renders by the caller."""
     scheduler = scheduler or cfg.proxy.ipvs_scheduler   # kube-proxy's ipvs.scheduler, "" -> rr
     if scheduler not in SCHEDULERS:
         raise ValueError(f"unknown IPVS scheduler {scheduler!r}: one of {', '.join(SCHEDULERS)}")
     with gc_paused():
-        return _render(state, cfg, family, scheduler)
+        return _render(state, cfg, family, scheduler, cache)
 
 
-def _render(state: ClusterState, cfg: Config, family: int, scheduler: str) -> IpvsConfig:
+def _render(state: ClusterState, cfg: Config, family: int, scheduler: str, cache: PortsCache | None) -> IpvsConfig:
     node = node_info(state, cfg, family)
     nodeport_ips = node.ips if node.nodeport_all else tuple(
         ip for ip in node.nodeport_ips if not ipaddress.ip_address(ip).is_loopback)
@@ -168,7 +170,7 @@ def _render(state: ClusterState, cfg: Config, family: int, scheduler: str) -> Ip
     servers: list[VirtualServer] = []
     addresses: set[str] = set()
 
-    for info, cat in service_ports(state, cfg, family):
+    for info, cat in service_ports(state, cfg, family, cache):
         _service(info, cat, node.primary_ip, nodeport_ips, scheduler, entries, servers, addresses)
     entries[IPVS_IPS] = set(addresses)
 

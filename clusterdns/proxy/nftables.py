@@ -70,6 +70,7 @@ from .nftobj import text as ops_text
 from .servicemap import (
     Categorized,
     NodeInfo,
+    PortsCache,
     ServicePortInfo,
     format_endpoint,
     node_info,
@@ -400,13 +401,14 @@ class RenderCache:
     """Each Service's Objects across renders, owned by whoever renders repeatedly (the backend).
 
     servicemap hands out the same (info, categorized) pairs while a Service
-    and its slices are unchanged, so a hit is an identity check plus the
-    Service's slots; everything else is in the context.
+    and its slices are unchanged (through `ports`), so a hit is an identity
+    check plus the Service's slots; everything else is in the context.
     """
 
     def __init__(self) -> None:
         self.context: tuple | None = None
         self.entries: dict[tuple[str, str], tuple] = {}
+        self.ports = PortsCache()
 
 
 def _fam(family: int) -> tuple[str, str, str]:
@@ -785,7 +787,8 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
             new = _full_state(state, cfg, family, node, zone, base, context, cache, previous)
             ops = diff_ops(previous, new)
             return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
-        updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed))
+        updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed),
+                                            cache.ports if cache is not None else None)
         new = _apply(previous, updates, buckets)
         old_side = _partial(family, [o for k in updates if (o := previous.owned.get(k)) is not None])
         new_side = _partial(family, [o for o in updates.values() if o is not None])
@@ -846,7 +849,7 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
                 context: tuple, cache: RenderCache | None, previous: NftState | None = None) -> NftState:
     """Every Service's objects, merged. previous: returned as it is when it holds the very same
     objects (a periodic resync of an unchanged cluster builds no second table state beside it)."""
-    groups = _group(service_ports(state, cfg, family))
+    groups = _group(service_ports(state, cfg, family, cache.ports if cache is not None else None))
     slot_keys = {key: _slot_keys(pairs) for key, pairs in groups.items()}
     buckets = _buckets(slot_keys.items())
     index = {sk: (b, i) for b, sks in buckets.items() for sk, i in sks.items()}
@@ -877,9 +880,9 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
 
 
 def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeInfo, zone: str,
-                     previous: NftState, changed: set[tuple[str, str]]):
+                     previous: NftState, changed: set[tuple[str, str]], ports: PortsCache | None):
     """The new Objects of the changed Services, and of those whose slot moved because of them."""
-    pairs = {key: service_ports_for(state, key, family, cfg.proxy.node_name, zone) for key in changed}
+    pairs = {key: service_ports_for(state, key, family, cfg.proxy.node_name, zone, ports) for key in changed}
     buckets = dict(previous.buckets)
     touched: set[tuple[str, int]] = set()
     for key, ps in pairs.items():
@@ -901,7 +904,7 @@ def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeIn
         for sk, i in buckets.get(b, {}).items():
             mate = (sk[0], sk[1])
             if before.get(sk) != i and mate not in pairs:
-                pairs[mate] = service_ports_for(state, mate, family, cfg.proxy.node_name, zone)
+                pairs[mate] = service_ports_for(state, mate, family, cfg.proxy.node_name, zone, ports)
     _, ipx, addr_type = _fam(family)
     updates: dict[tuple[str, str], Objects | None] = {}
     for key, ps in pairs.items():

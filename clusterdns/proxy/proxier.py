@@ -167,6 +167,8 @@ class IptablesBackend:
         # What the last full sync declared, for removing what other modes left (see Proxier)
         self.kept: dict[str, set[str]] | None = None
         self.wanted_jumps: set[tuple[str, str, str]] = set()
+        from .iptables import RenderCache
+        self.cache = RenderCache()   # per-service-port render work across syncs
 
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import iptables
@@ -195,7 +197,8 @@ class IptablesBackend:
         listing = full and self.applying and self.exe.backend == "nft" and self.exe.list_tables
         rs = await asyncio.to_thread(iptables.render, state, self.cfg, self.family, only=changed,
                                      existing=existing, jumps=full and all_missing,
-                                     previous=None if full else self.previous, listing=listing)
+                                     previous=None if full else self.previous, listing=listing,
+                                     cache=self.cache)
         self.previous = None          # until the kernel is known to hold rs
         if rs.text:
             await self.exe.restore(rs.text, full=full, listed=rs.listed)
@@ -318,10 +321,12 @@ class IpvsBackend:
         self.exe = IpvsExecutor(runner, family)
         self.kept: dict[str, set[str]] | None = None
         self.wanted_jumps: set[tuple[str, str, str]] = set()
+        from .servicemap import PortsCache
+        self.cache = PortsCache()   # servicemap's work across syncs
 
     async def sync(self, state: ClusterState, changed: set | None, now: float) -> SyncOutcome:
         from . import ipvs
-        config = await asyncio.to_thread(ipvs.render, state, self.cfg, self.family)
+        config = await asyncio.to_thread(ipvs.render, state, self.cfg, self.family, cache=self.cache)
         await self.exe.apply(config, self.cfg.proxy.ipvs_exclude_cidrs)
         # what every IPVS iptables text declares and inserts (fixed; no need to read it back)
         self.kept = {t: set(chains) for t, chains in ipvs.CHAINS.items()}

@@ -383,37 +383,27 @@ def service_port_infos(svc: Service, family: int) -> list[ServicePortInfo]:
 _new_info = object.__new__
 
 
-# Results of service_ports_for across renders, per (family, node name, zone):
-# key -> (Service, slices, result). Records are immutable and a new state
-# shares the unchanged ones with the last, so an entry is valid while the
-# Service and every slice are the very same objects (checked with `is`).
-_CACHES: list[dict] = []
+class PortsCache:
+    """service_ports' results across renders, owned by whoever renders repeatedly (a backend).
 
+    For one (family, node name, zone) context: key -> (Service, slices, result).
+    Records are immutable and a new state shares the unchanged ones with the
+    last, so an entry is valid while the Service and every slice are the very
+    same objects (checked with `is`). Renderers' own caches rely on the
+    results being the same objects while that holds.
+    """
 
-def cache(d: dict) -> dict:
-    """Register a cross-render cache so that clear_caches empties it."""
-    _CACHES.append(d)
-    return d
+    __slots__ = ("context", "entries")
 
+    def __init__(self) -> None:
+        self.context: tuple | None = None
+        self.entries: dict[tuple[str, str], tuple] = {}
 
-def clear_caches() -> None:
-    """Forget everything renders remembered (for cold timings and tests; never needed for correctness)."""
-    for d in _CACHES:
-        d.clear()
-
-
-_PORTS_CACHE: dict[tuple[int, str, str], dict[tuple[str, str], tuple]] = cache({})
-_PORTS_CONTEXTS = 4     # contexts kept (families x nodes a process renders for)
-
-
-def _ports_cache(family: int, node_name: str, zone: str) -> dict[tuple[str, str], tuple]:
-    ctx = (family, node_name, zone)
-    cache = _PORTS_CACHE.get(ctx)
-    if cache is None:
-        while len(_PORTS_CACHE) >= _PORTS_CONTEXTS:
-            _PORTS_CACHE.pop(next(iter(_PORTS_CACHE)), None)
-        cache = _PORTS_CACHE[ctx] = {}
-    return cache
+    def _for(self, family: int, node_name: str, zone: str) -> dict[tuple[str, str], tuple]:
+        ctx = (family, node_name, zone)
+        if ctx != self.context:
+            self.context, self.entries = ctx, {}
+        return self.entries
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -449,35 +439,38 @@ def _cached_ports(cache: dict, state: ClusterState, key: tuple[str, str], family
     return ports
 
 
-def service_ports_for(state: ClusterState, key: tuple[str, str], family: int,
-                      node_name: str, zone: str) -> list[tuple[ServicePortInfo, Categorized]]:
+def service_ports_for(state: ClusterState, key: tuple[str, str], family: int, node_name: str, zone: str,
+                      cache: PortsCache | None = None) -> list[tuple[ServicePortInfo, Categorized]]:
     """The service ports of one Service with their categorised endpoints.
 
-    The (info, categorized) pairs are shared with later calls while the
-    Service and its slices are unchanged: treat them as read-only.
+    With a cache, the (info, categorized) pairs are shared with later calls
+    while the Service and its slices are unchanged: treat them as read-only.
     """
-    cache = _ports_cache(family, node_name, zone)
-    if len(cache) > max(4096, 2 * len(state.services)):
-        cache.clear()   # Services deleted since the last full render
-    return list(_cached_ports(cache, state, key, family, node_name, zone))
+    entries = cache._for(family, node_name, zone) if cache is not None else {}
+    if len(entries) > max(4096, 2 * len(state.services)):
+        entries.clear()   # Services deleted since the last full render
+    return list(_cached_ports(entries, state, key, family, node_name, zone))
 
 
+def service_ports(state: ClusterState, cfg: Config, family: int = 4,
+                  cache: PortsCache | None = None) -> list[tuple[ServicePortInfo, Categorized]]:
+    """Every service port the proxier programs, sorted by (namespace, name, port name, protocol).
 
-
-def service_ports(state: ClusterState, cfg: Config, family: int = 4) -> list[tuple[ServicePortInfo, Categorized]]:
-    """Every service port the proxier programs, sorted by (namespace, name, port name, protocol)."""
+    cache: the results of earlier calls, kept by the caller (output never depends on it).
+    """
     node = state.nodes.get(cfg.proxy.node_name) if cfg.proxy.node_name else None
     zone = node.zone if node is not None else ""
     out: list[tuple[ServicePortInfo, Categorized]] = []
-    old = _ports_cache(family, cfg.proxy.node_name, zone)
+    old = cache._for(family, cfg.proxy.node_name, zone) if cache is not None else {}
     # a new generation holding only this state's Services keeps the cache bounded
-    cache: dict[tuple[str, str], tuple] = {}
+    entries: dict[tuple[str, str], tuple] = {}
     with gc_paused():
         for key in sorted(state.services):
             out += _cached_ports(old, state, key, family, cfg.proxy.node_name, zone)
             if key in old:
-                cache[key] = old[key]
-    _PORTS_CACHE[(family, cfg.proxy.node_name, zone)] = cache
+                entries[key] = old[key]
+    if cache is not None:
+        cache.entries = entries
     out.sort(key=_PORT_ORDER)
     return out
 
@@ -487,6 +480,6 @@ def _PORT_ORDER(pair: tuple[ServicePortInfo, Categorized]) -> tuple:
     return (info.service, info.port.name, info.protocol)
 
 
-__all__ = ["Categorized", "EndpointInfo", "NodeInfo", "ServicePortInfo", "categorize", "clear_caches",
+__all__ = ["Categorized", "EndpointInfo", "NodeInfo", "PortsCache", "ServicePortInfo", "categorize",
            "format_endpoint", "localhost_nodeports", "node_info", "service_port_infos",
            "service_ports", "service_ports_for"]

@@ -1,7 +1,8 @@
-"""Renders remember per-Service work across calls: the output must never depend on it.
+"""Renders remember per-Service work across calls in caches their callers own (the
+backends): the output must never depend on it.
 
 Each test compares a render made with warm caches against one made from
-scratch (caches cleared, records rebuilt as fresh objects).
+scratch (no cache, records rebuilt as fresh objects).
 """
 from __future__ import annotations
 
@@ -25,21 +26,29 @@ def synthetic_state():
     return state_from_records(synthetic_records(60, 4, headless_every=7, nodeport_every=3))
 
 
-NFT_CACHE = nftables.RenderCache()   # what a backend owns across its renders
+# what the backends own across their renders
+IPT_CACHE = iptables.RenderCache()
+NFT_CACHE = nftables.RenderCache()
+PORTS_CACHE = servicemap.PortsCache()
+
+
+def ipt(st, cfg, fam=4, **kw):
+    return iptables.render(st, cfg, fam, cache=IPT_CACHE, **kw)
 
 
 def cold(fn):
-    servicemap.clear_caches()
-    NFT_CACHE.__init__()
+    """fn's result from empty caches; the module's caches are new afterwards too."""
+    for c in (IPT_CACHE, NFT_CACHE, PORTS_CACHE):
+        c.__init__()
     return fn()
 
 
 RENDERS = {
-    "iptables": lambda st, cfg, fam: iptables.render(st, cfg, fam).text,
-    "iptables-nojumps": lambda st, cfg, fam: iptables.render(st, cfg, fam, jumps=False).text,
+    "iptables": lambda st, cfg, fam: ipt(st, cfg, fam).text,
+    "iptables-nojumps": lambda st, cfg, fam: ipt(st, cfg, fam, jumps=False).text,
     "nftables": lambda st, cfg, fam: nftables.render(st, cfg, fam, cache=NFT_CACHE).text,
-    "ipvs": lambda st, cfg, fam: repr(ipvs.render(st, cfg, fam)),
-    "service_ports": lambda st, cfg, fam: repr(servicemap.service_ports(st, cfg, fam)),
+    "ipvs": lambda st, cfg, fam: repr(ipvs.render(st, cfg, fam, cache=PORTS_CACHE)),
+    "service_ports": lambda st, cfg, fam: repr(servicemap.service_ports(st, cfg, fam, PORTS_CACHE)),
 }
 
 
@@ -70,22 +79,23 @@ def test_changed_slice_is_rendered_again():
     store.upsert("EndpointSlice", dataclasses.replace(sl, endpoints=tuple(eps)))
     after = store.current
 
-    iptables.render(before, CFG, 4)
+    ipt(before, CFG)
     nft_before = nftables.render(before, CFG, 4)
-    warm = iptables.render(after, CFG, 4).text
+    warm = ipt(after, CFG).text
     assert "10.250.0.1" in warm
-    assert warm == cold(lambda: iptables.render(after, CFG, 4).text)
+    assert warm == cold(lambda: ipt(after, CFG).text)
     # a partial sync of the changed Service, with warm and with cold caches
-    iptables.render(before, CFG, 4)
-    warm_only = iptables.render(after, CFG, 4, only={sl.service_key})
-    cold_only = cold(lambda: iptables.render(after, CFG, 4, only={sl.service_key}))
+    ipt(before, CFG)
+    warm_only = ipt(after, CFG, only={sl.service_key})
+    cold_only = cold(lambda: ipt(after, CFG, only={sl.service_key}))
     assert warm_only == cold_only
     assert "10.250.0.1" in warm_only.text
     # nftables: full text, and the one-Service change from the previous state
     nftables.render(before, CFG, 4, cache=NFT_CACHE)
-    warm_change = nftables.render(after, CFG, 4, previous=nft_before.state, changed={sl.service_key})
+    warm_change = nftables.render(after, CFG, 4, previous=nft_before.state, changed={sl.service_key},
+                                  cache=NFT_CACHE)
     cold_change = cold(lambda: nftables.render(after, CFG, 4, previous=nft_before.state,
-                                               changed={sl.service_key}))
+                                               changed={sl.service_key}, cache=NFT_CACHE))
     assert warm_change.text == cold_change.text and "10.250.0.1" in warm_change.text
     assert warm_change.state.chains == cold_change.state.chains
     assert nftables.render(after, CFG, 4, cache=NFT_CACHE).text == cold(lambda: nftables.render(after, CFG, 4).text)
@@ -98,7 +108,7 @@ def test_changed_service_and_context_are_rendered_again():
     svc = before.services[("ns-3", "svc-3")]
     store.upsert("Service", replace(svc, ports=(ServicePort("http", "TCP", 81, 0, 8080),)))
     after = store.current
-    for render in (lambda st, cfg: iptables.render(st, cfg, 4).text,
+    for render in (lambda st, cfg: ipt(st, cfg).text,
                    lambda st, cfg: nftables.render(st, cfg, 4, cache=NFT_CACHE).text):
         render(before, CFG)
         assert render(after, CFG) == cold(lambda: render(after, CFG))
@@ -122,45 +132,68 @@ def test_large_cluster_switch_is_seen():
     store = StateStore()
     publish(store, [r for r in records if not is_last(r)])
     small = store.current
-    servicemap.clear_caches()
-    small_text = iptables.render(small, CFG, 4).text
+    small_text = cold(lambda: ipt(small, CFG).text)
     assert '-m comment --comment "ns-1/svc-1:http -> ' in small_text
     for kind, rec in records:
         if is_last((kind, rec)):
             store.upsert(kind, rec)
     large = store.current
-    warm = iptables.render(large, CFG, 4).text
+    warm = ipt(large, CFG).text
     assert "ns-1/svc-1:http -> " not in warm
-    assert warm == cold(lambda: iptables.render(large, CFG, 4).text)
-    assert iptables.render(small, CFG, 4).text == small_text
+    assert warm == cold(lambda: ipt(large, CFG).text)
+    assert ipt(small, CFG).text == small_text
 
 
 def test_caches_hold_only_the_current_services():
-    servicemap.clear_caches()
-    iptables.render(state_from_records(synthetic_records(50, 1)), CFG, 4)
-    nft_cache = nftables.RenderCache()     # the nftables cache belongs to its caller (the backend)
+    ipt_cache = iptables.RenderCache()     # the caches belong to their caller (the backend)
+    nft_cache = nftables.RenderCache()
+    iptables.render(state_from_records(synthetic_records(50, 1)), CFG, 4, cache=ipt_cache)
     nftables.render(state_from_records(synthetic_records(50, 1)), CFG, 4, cache=nft_cache)
-    assert len(nft_cache.entries) == 50
+    assert len(nft_cache.entries) == 50 and len(nft_cache.ports.entries) == 50
+    assert len(ipt_cache.entries) >= 50 and len(ipt_cache.ports.entries) == 50
     st = state_from_records(synthetic_records(5, 1))
-    iptables.render(st, CFG, 4)
+    iptables.render(st, CFG, 4, cache=ipt_cache)
     nftables.render(st, CFG, 4, cache=nft_cache)
-    assert servicemap._PORTS_CACHE and iptables._BLOCKS
-    assert all(len(c) <= 5 for c in servicemap._PORTS_CACHE.values())
-    assert all(len(c) <= 5 for c in iptables._BLOCKS.values())
-    assert len(nft_cache.entries) == 5
+    assert len(ipt_cache.ports.entries) == 5 and 5 <= len(ipt_cache.entries) < 50
+    assert len(nft_cache.entries) == 5 and len(nft_cache.ports.entries) == 5
+
+
+def test_renderers_do_not_share_cache_state():
+    """Two owners' caches are independent: one's renders neither fill nor serve the other's,
+    and a render without a cache leaves nothing behind."""
+    st = synthetic_state()
+    a, b = iptables.RenderCache(), iptables.RenderCache()
+    iptables.render(st, CFG, 4)
+    assert not a.entries and not a.ports.entries
+    first = iptables.render(st, CFG, 4, cache=a)
+    assert a.entries and not b.entries and not b.ports.entries
+    # the same state and node through b: b builds its own pairs and blocks, none of a's
+    assert iptables.render(st, CFG, 4, cache=b).text == first.text
+    assert a.entries.keys() == b.entries.keys()
+    assert all(a.entries[k][0] is not b.entries[k][0] and a.entries[k][1] is not b.entries[k][1]
+               for k in a.entries)
+    # b renders another node's rules; a still holds (and serves) its own
+    iptables.render(st, CFG.with_options(node_name="node-1", node_ips=("192.168.0.3",)), 4, cache=b)
+    assert a.context != b.context and a.ports.context != b.ports.context
+    held = dict(a.entries)
+    assert iptables.render(st, CFG, 4, cache=a).text == first.text
+    assert all(a.entries[k][1] is held[k][1] for k in held)   # every block served, none rebuilt
+    n1, n2 = nftables.RenderCache(), nftables.RenderCache()
+    nftables.render(st, CFG, 4, cache=n1)
+    assert n1.entries and not n2.entries and not n2.ports.entries
 
 
 def test_headless_and_removed_services():
     st = synthetic_state()
-    iptables.render(st, CFG, 4)
+    ipt(st, CFG)
     records = [("Service", s) for k, s in st.services.items() if k != ("ns-1", "svc-1")]
     records += [("EndpointSlice", s) for s in st.slices.values()]
     records.append(("Service", Service("ns-0", "extra", "ClusterIP", ("10.96.9.9",),
                                        ports=(ServicePort("http", "TCP", 80, 0, 8080),))))
     smaller = state_from_records(records)
-    warm = iptables.render(smaller, CFG, 4).text
+    warm = ipt(smaller, CFG).text
     assert "ns-1/svc-1:http" not in warm and "ns-0/extra:http has no endpoints" in warm
-    assert warm == cold(lambda: iptables.render(smaller, CFG, 4).text)
+    assert warm == cold(lambda: ipt(smaller, CFG).text)
 
 
 def test_unchanged_services_are_looked_up_not_rebuilt():
@@ -168,14 +201,14 @@ def test_unchanged_services_are_looked_up_not_rebuilt():
     objects of the previous render (bench/proxy/render_cache.py measures what that saves)."""
     store = StateStore()
     publish(store, synthetic_records(60, 4, headless_every=7, nodeport_every=3))
-    servicemap.clear_caches()
-    first = {info.name: (info, cat) for info, cat in servicemap.service_ports(store.current, CFG, 4)}
-    again = {info.name: (info, cat) for info, cat in servicemap.service_ports(store.current, CFG, 4)}
+    cache = servicemap.PortsCache()
+    first = {info.name: (info, cat) for info, cat in servicemap.service_ports(store.current, CFG, 4, cache)}
+    again = {info.name: (info, cat) for info, cat in servicemap.service_ports(store.current, CFG, 4, cache)}
     assert len(first) > 50 and first.keys() == again.keys()
     assert all(again[k][0] is first[k][0] and again[k][1] is first[k][1] for k in first)
     svc = store.current.services[("ns-1", "svc-1")]
     store.upsert("Service", replace(svc, ports=svc.ports + (ServicePort("extra", "TCP", 81, 0, 8081),)))
-    after = {info.name: (info, cat) for info, cat in servicemap.service_ports(store.current, CFG, 4)}
+    after = {info.name: (info, cat) for info, cat in servicemap.service_ports(store.current, CFG, 4, cache)}
     rebuilt = {k for k in first if k in after and after[k][0] is not first[k][0]}
     assert rebuilt == {k for k in first if k.startswith("ns-1/svc-1:")}
     assert "ns-1/svc-1:extra" in after and len(after) == len(first) + 1
@@ -259,7 +292,6 @@ def test_a_resync_of_an_unchanged_cluster_keeps_the_previous_state():
     first = nftables.render(store.current, CFG, 4, cache=cache)
     again = nftables.render(store.current, CFG, 4, previous=first.state, resync=True, cache=cache)
     assert again.state is first.state
-    servicemap.clear_caches()
     anew = nftables.render(store.current, CFG, 4, previous=first.state, resync=True)
     assert anew.state is not first.state
     assert ops_text(again.ops, 4) == ops_text(anew.ops, 4)
