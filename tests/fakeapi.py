@@ -177,6 +177,7 @@ class FakeAPIServer:
         self._watchers: list[_Watcher] = []
         self._forbidden: dict[str, set[str]] = {}
         self._failures: dict[str, list[int]] = {}
+        self._encoded: dict[tuple[str, tuple[str, str]], tuple[str, bytes]] = {}   # see _list
         self._snapshots: collections.OrderedDict[str, tuple[int, list[dict]]] = collections.OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -289,7 +290,7 @@ class FakeAPIServer:
 
     def add_all(self, objs: Iterable[dict]) -> None:
         objs = list(objs)
-        self._call(lambda: [self._write(o, None) for o in objs])
+        self._call(lambda: [self._write(o, None, copy_out=False) for o in objs])
 
     def load_manifest(self, path: str) -> int:
         """Add every supported object of a manifest file (kubectl -o yaml dump, List, stream),
@@ -333,7 +334,7 @@ class FakeAPIServer:
         self._rv += 1
         return str(self._rv)
 
-    def _write(self, obj: dict, want: str | None) -> dict:
+    def _write(self, obj: dict, want: str | None, copy_out: bool = True) -> dict | None:
         res = BY_KIND.get(obj.get("kind", ""))
         if res is None:
             raise ValueError(f"unsupported kind {obj.get('kind')!r}")
@@ -356,10 +357,11 @@ class FakeAPIServer:
         meta["resourceVersion"] = self._next_rv()
         table[key] = obj
         self._emit(res, "MODIFIED" if old is not None else "ADDED", obj, old)
-        return copy.deepcopy(obj)
+        return copy.deepcopy(obj) if copy_out else None
 
     def _delete(self, res: Resource, namespace: str | None, name: str) -> dict | None:
         old = self._objects[res.name].pop(_key(res, namespace, name), None)
+        self._encoded.pop((res.name, _key(res, namespace, name)), None)
         if old is None:
             return None
         gone = copy.deepcopy(old)
@@ -589,14 +591,22 @@ class FakeAPIServer:
                 self._snapshots.popitem(last=False)
             meta["continue"] = nxt
             meta["remainingItemCount"] = len(rest)
+        # Each item's JSON is made once per resourceVersion and kept, as kube-apiserver's watch
+        # cache keeps serialized objects: a 10,000-slice list is then quick to serve here
+        # (deep copies and a fresh encoding per page took ~20 s, far beyond a real server).
         out = []
         for o in page:
-            o = copy.deepcopy(o)
-            o.pop("kind", None)          # list items carry no TypeMeta, as from kube-apiserver
-            o.pop("apiVersion", None)
-            out.append(o)
-        body = {"kind": res.kind + "List", "apiVersion": res.api_version, "metadata": meta, "items": out}
-        return web.json_response(body)
+            k = (res.name, _obj_key(res, o))
+            rv_o = o["metadata"]["resourceVersion"]
+            hit = self._encoded.get(k)
+            if hit is None or hit[0] != rv_o:
+                # list items carry no TypeMeta, as from kube-apiserver
+                item = {f: v for f, v in o.items() if f not in ("kind", "apiVersion")}
+                hit = self._encoded[k] = (rv_o, json.dumps(item).encode())
+            out.append(hit[1])
+        head = json.dumps({"kind": res.kind + "List", "apiVersion": res.api_version, "metadata": meta})
+        body = head[:-1].encode() + b', "items": [' + b", ".join(out) + b"]}"
+        return web.Response(body=body, content_type="application/json")
 
     async def _watch(self, request: web.Request, res: Resource, selectors: tuple) -> web.StreamResponse:
         q = request.query

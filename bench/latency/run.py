@@ -408,7 +408,250 @@ def inner_restart(args) -> dict:
             "first_hwm_mb": first_hwm, "second_hwm_mb": second_hwm}
 
 
+# ---------------------------------------------------------------- crash restart (--restart --kill)
+
+def _query(qid: int, name: str) -> bytes:
+    import struct
+    head = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0)
+    return head + b"".join(bytes([len(p)]) + p.encode() for p in name.strip(".").split(".")) + b"\0\0\1\0\1"
+
+
+def _answer(data: bytes) -> tuple[int, int, str | None]:
+    """(query id, rcode, the last A record's address or None) of a response."""
+    import struct
+    qid, flags, _qd, an = struct.unpack_from(">HHHH", data)
+    addr = socket.inet_ntoa(data[-4:]) if an and len(data) >= 16 else None
+    return qid, flags & 15, addr
+
+
+def _kill_prober(t_start: float, names: list[tuple[str, str]], late_ip: str, queue, limit: float = 300.0) -> None:
+    """From t_start (monotonic, shared by the processes): a query for each name every 5 ms on one
+    UDP socket, answers read as they come. Reports per name the first right answer's time (s
+    after t_start), the answers before it by rcode, and for the last name (a Service whose rules
+    were not in the kernel at the start) whether its DNAT worked when DNS first answered it."""
+    import select
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setblocking(False)
+    first: dict[int, float] = {}
+    early: dict[int, dict[str, int]] = {i: {} for i in range(len(names))}
+    late_rules = None
+    seq = 0
+    nxt = t_start
+    while time.monotonic() < t_start:
+        time.sleep(0.001)
+    while len(first) < len(names) and time.monotonic() - t_start < limit:
+        now = time.monotonic()
+        if now >= nxt:
+            for i, (name, _want) in enumerate(names):
+                if i not in first:
+                    seq = (seq + 1) & 0x3FFF
+                    try:
+                        s.sendto(_query((i << 14) | seq, name), ("127.0.0.1", DNS_PORT))
+                    except OSError:
+                        pass
+            nxt += 0.005
+        ready, _, _ = select.select([s], [], [], max(0.0, nxt - time.monotonic()))
+        while ready:
+            try:
+                data = s.recv(4096)
+            except BlockingIOError:
+                break
+            at = time.monotonic() - t_start
+            qid, rcode, addr = _answer(data)
+            i = qid >> 14
+            if i >= len(names) or i in first:
+                continue
+            if rcode == 0 and addr == names[i][1]:
+                first[i] = at
+                if i == len(names) - 1:
+                    c = socket.socket()
+                    c.settimeout(1.0)
+                    late_rules = c.connect_ex((late_ip, 80)) == 0
+                    c.close()
+            else:
+                kind = {0: "wrong" if addr else "NODATA", 2: "SERVFAIL", 3: "NXDOMAIN", 5: "REFUSED"}.get(rcode, str(rcode))
+                early[i][kind] = early[i].get(kind, 0) + 1
+    queue.put({"first": [round(first[i], 3) if i in first else None for i in range(len(names))],
+               "early": [early[i] for i in range(len(names))], "late_rules": late_rules})
+
+
+def _log_times(path: str, t_wall: float) -> dict[str, float]:
+    """Seconds after t_wall (time.time() at the start) of the agent's milestones, from its log."""
+    marks = {"manifest loaded": "clusterdns.sources.manifest: loaded ", "kernel read": "restart adoption:",
+             "dns listens": "DNS listens", "listed": "all resources synced",
+             "endpoints read": "restart adoption: endpoints", "first sync": "restart adoption ends"}
+    out: dict[str, float] = {}
+    for line in open(path, errors="replace"):
+        try:
+            at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        for mark, text in marks.items():
+            if mark not in out and text in line:
+                out[mark] = round(at - t_wall, 2)
+    return out
+
+
+def inner_kill(args) -> dict:
+    """One cold start, then `runs` times: SIGKILL the agent (its rules stay in the kernel), add a
+    Service the kernel does not have, start a new agent at once and time its first right answer
+    (from the new process's exec), and check the added Service is not answered before its rules
+    work. With --source manifest, `clusterdns dns` alone on the same file is the peer."""
+    import ipaddress
+    import multiprocessing
+
+    from clusterdns.synthetic import SERVICE_BASE, synthetic_records, to_manifest
+    from tests.fakeapi import FakeAPIServer, endpoint_slice, namespace, service
+    setup_namespace()
+    listener()
+    if args.mode == "iptables" and args.iptables_backend == "legacy":
+        sh("iptables-legacy", "-t", "filter", "-N", "BENCH-LEGACY")
+        sh("iptables-legacy", "-t", "filter", "-A", "BENCH-LEGACY", "-j", "RETURN")
+    tmp = f"/tmp/cdbench-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    items = json.loads(to_manifest(synthetic_records(services=args.services, endpoints=args.endpoints)))["items"]
+    items.append(namespace("bench"))
+    api = None
+    manifest = os.path.join(tmp, "cluster.json")
+    if args.source == "kube":
+        api = FakeAPIServer(history=100000).start()
+        api.add_all(items)
+        src = ["--kubeconfig", api.write_kubeconfig(os.path.join(tmp, "kubeconfig"))]
+    else:
+        src = ["--manifest", manifest]
+
+    def write_manifest() -> None:
+        with open(manifest + ".tmp", "w") as f:
+            json.dump({"apiVersion": "v1", "kind": "List", "items": items}, f)
+        os.replace(manifest + ".tmp", manifest)
+
+    def late(i: int) -> tuple[list[dict], str, str]:
+        ns, name, ip = "bench", f"late-{i}", f"10.200.{i // 250}.{i % 250 + 1}"
+        svc = service(ns, name, ip, ports=(("http", 80, "TCP"),))
+        svc["spec"]["ports"][0]["targetPort"] = 8080
+        return [svc, endpoint_slice(ns, name, [BACKEND], port=8080)], f"{name}.{ns}.svc.cluster.local.", ip
+
+    if api is None:
+        write_manifest()
+    ports = (18095, 18096, 18097)
+
+    def argv() -> list[str]:
+        a = _agent_argv("", args.mode, 0, ports, handover=0)
+        i = a.index("--kubeconfig")
+        return a[:i] + src + a[i + 2:]
+
+    name, want = "svc-1.ns-1.svc.cluster.local.", str(ipaddress.ip_address(SERVICE_BASE + 2))
+    ctx = multiprocessing.get_context("spawn")
+    log_path = os.path.join(tmp, "agent0.log")
+    t0 = time.monotonic()
+    agent = subprocess.Popen(argv(), stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    runs = []
+    try:
+        while _probe(name, want) != "ok":
+            if agent.poll() is not None or time.monotonic() - t0 > 900:
+                raise RuntimeError("first agent never answered; see " + log_path)
+            time.sleep(0.05)
+        cold_answer = time.monotonic() - t0
+        while not _ready(ports[0]):
+            time.sleep(0.1)
+        cold_ready = time.monotonic() - t0
+        for r in range(args.runs):
+            time.sleep(1.0)
+            agent.kill()    # a crash (OOM kill, liveness restart): the rules stay, nothing drains
+            agent.wait(30)
+            peer = _peer_dns(manifest, name, want, ctx) if args.source == "manifest" else None
+            objs, late_name, late_ip = late(r)
+            if api is not None:
+                for o in objs:
+                    api.add(o)
+            else:
+                items.extend(objs)
+                write_manifest()
+            queue = ctx.Queue()
+            t_start = time.monotonic() + 0.5   # the prober is up by then
+            prober = ctx.Process(target=_kill_prober, args=(t_start, [(name, want), (late_name, late_ip)],
+                                                            late_ip, queue), daemon=True)
+            prober.start()
+            while time.monotonic() < t_start:
+                time.sleep(0.0005)
+            log_path = os.path.join(tmp, f"agent{r + 1}.log")
+            t_wall = time.time()
+            load = os.getloadavg()[0]
+            agent = subprocess.Popen(argv(), stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+            while not _ready(ports[0]):
+                if agent.poll() is not None or time.monotonic() - t_start > 900:
+                    raise RuntimeError("restarted agent never became ready; see " + log_path)
+                time.sleep(0.05)
+            ready = time.monotonic() - t_start
+            got = queue.get(timeout=600)
+            prober.join(10)
+            run = {"first_right_answer_s": got["first"][0], "before_it": got["early"][0],
+                   "late_answer_s": got["first"][1], "late_before": got["early"][1],
+                   "late_rules_at_answer": got["late_rules"], "ready_s": round(ready, 2),
+                   "load": round(load, 2), "log": _log_times(log_path, t_wall)}
+            if peer is not None:
+                run["peer_dns_s"] = peer
+            runs.append(run)
+    finally:
+        if agent.poll() is None:
+            agent.terminate()
+            agent.wait(30)
+        if api is not None:
+            api.close()
+    return {"services": args.services, "endpoints": args.endpoints, "mode": args.mode, "source": args.source,
+            "cold_first_answer_s": round(cold_answer, 2), "cold_ready_s": round(cold_ready, 2), "runs": runs,
+            "logs": tmp}
+
+
+def _peer_dns(manifest: str, name: str, want: str, ctx) -> float | None:
+    """`clusterdns dns` alone on the same file, same port: its first right answer after exec."""
+    queue = ctx.Queue()
+    t_start = time.monotonic() + 0.5
+    prober = ctx.Process(target=_kill_prober, args=(t_start, [(name, want)], "", queue, 120.0), daemon=True)
+    prober.start()
+    while time.monotonic() < t_start:
+        time.sleep(0.0005)
+    p = subprocess.Popen([sys.executable, "-m", "clusterdns", "dns", "--manifest", manifest,
+                          "--listen", f"127.0.0.1:{DNS_PORT}", "--no-upstream", "--health-listen", "none",
+                          "--metrics-listen", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        got = queue.get(timeout=200)
+    finally:
+        p.kill()
+        p.wait(30)
+        prober.join(10)
+    return got["first"][0]
+
+
 # ---------------------------------------------------------------- outside
+
+def print_kill(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"{r['services']} Services x {r['endpoints']} endpoints, {r['mode']}, source {r['source']}: "
+              f"cold first answer {r['cold_first_answer_s']} s, ready {r['cold_ready_s']} s (logs {r['logs']})")
+        print(f"  {'run':>3} {'load':>5} {'first right':>11} {'peer dns':>8} {'late svc':>8} {'its DNAT':>8} "
+              f"{'ready':>7}  answers before the first right one; milestones (s after exec)")
+        for i, run in enumerate(r["runs"]):
+            peer = run.get("peer_dns_s")
+            print(f"  {i + 1:>3} {run['load']:>5.2f} {_s(run['first_right_answer_s']):>11} {_s(peer):>8} "
+                  f"{_s(run['late_answer_s']):>8} {str(run['late_rules_at_answer']):>8} {run['ready_s']:>6.2f}s  "
+                  f"{run['before_it']}; {run['log']}")
+        firsts = [x["first_right_answer_s"] for x in r["runs"] if x["first_right_answer_s"] is not None]
+        peers = [x["peer_dns_s"] for x in r["runs"] if x.get("peer_dns_s") is not None]
+        line = f"  median first right answer {statistics.median(firsts):.3f} s" if firsts else "  no right answer"
+        if peers:
+            line += (f"; peer `clusterdns dns` {statistics.median(peers):.3f} s "
+                     f"(ratio {statistics.median(firsts) / statistics.median(peers):.2f})")
+        line += f"; median ready {statistics.median(x['ready_s'] for x in r['runs']):.2f} s"
+        bad = sum(1 for x in r["runs"] if x["late_rules_at_answer"] is False)
+        line += f"; late Service answered before its DNAT worked: {bad} of {len(r['runs'])}"
+        print(line)
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.3f}s"
+
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -434,11 +677,14 @@ def main() -> int:
     p.add_argument("--watch", action="store_true",
                    help="run the agents under bench/latency/stallwatch.py (logs GIL stalls and slow GCs) (--restart)")
     p.add_argument("--all-failures", action="store_true", help="print every failed probe (--restart)")
+    p.add_argument("--source", choices=("kube", "manifest"), default="kube",
+                   help="(--restart --kill) the agents' source: the fake API server, or a manifest file")
+    p.add_argument("--runs", type=int, default=3, help="(--restart --kill) SIGKILL restarts after one cold start")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.inner:
         args.services = args.services[0]
-        print(json.dumps(inner_restart(args) if args.restart else inner(args)))
+        print(json.dumps((inner_kill(args) if args.kill else inner_restart(args)) if args.restart else inner(args)))
         return 0
     if os.geteuid() != 0:
         print("needs root (a scratch network namespace)", file=sys.stderr)
@@ -451,7 +697,7 @@ def main() -> int:
             extra = (["--restart", "--endpoints", str(args.endpoints), "--lameduck", str(args.lameduck),
                       "--handover", str(args.handover), "--iptables-backend", args.iptables_backend]
                      + (["--overlap"] if args.overlap else [])
-                     + (["--kill"] if args.kill else [])
+                     + (["--kill", "--source", args.source, "--runs", str(args.runs)] if args.kill else [])
                      + (["--watch"] if args.watch else []) if args.restart else [])
             out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner",
                                   "--services", str(n), "--changes", str(args.changes), "--gap", str(args.gap),
@@ -462,6 +708,9 @@ def main() -> int:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         finally:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    if args.restart and args.kill:
+        print_kill(rows)
+        return 0
     if args.restart:
         print(f"{'services':>8} {'eps':>4} {'mode':>8} {'cold answer':>11} {'cold ready':>10} "
               f"{'probes':>6} {'failed':>6} {'restart ready':>13} {'old exit':>8}")
