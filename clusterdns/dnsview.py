@@ -104,6 +104,9 @@ class DnsView:
         self._services: dict[tuple[str, str], Service] = {}
         self._slices: dict[tuple[str, str], EndpointSlice] = {}
         self._slice_keys: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+        # the view's slices per Service (ClusterState.slices_by_service), kept per change:
+        # rebuilt from every slice it is ~15 ms at 10,000 Services, on every change DNS shows
+        self._index: dict[tuple[str, str], tuple[EndpointSlice, ...]] | None = None
         self.current = ClusterState()
         self._version = 0
         self._observed: dict[tuple[str, str], float] = {}   # slice key -> last trigger time observed
@@ -284,6 +287,21 @@ class DnsView:
             return
         self._publish(now, changed, kinds, full)
 
+    def _slices_by_service(self, changed: set, full: bool) -> Mapping[tuple[str, str], tuple[EndpointSlice, ...]]:
+        slices, slice_keys = self._slices, self._slice_keys
+        if full or self._index is None:
+            index = {key: tuple([slices[k] for k in ks]) for key, ks in slice_keys.items() if ks}
+        else:
+            index = self._index.copy()
+            for key in changed:
+                ks = slice_keys.get(key)
+                if ks:
+                    index[key] = tuple([slices[k] for k in ks])
+                else:
+                    index.pop(key, None)
+        self._index = index
+        return MappingProxyType(index)
+
     def _observe_programming(self, now: ClusterState, changed: set) -> None:
         """coredns_kubernetes_dns_programming_duration_seconds: from the EndpointSlice
         trigger time to the change being served, for slices DNS now shows as they are."""
@@ -321,6 +339,10 @@ class DnsView:
             slices=MappingProxyType(dict(self._slices)) if changed or full else old.slices,
             namespaces=now.namespaces, pods=now.pods, nodes=now.nodes,
             synced=self._synced(now), serial=max(now.serial, old.serial + (1 if changed else 0)))
+        if changed or full:
+            new.__dict__["slices_by_service"] = self._slices_by_service(changed, full)   # fills the cached_property
+        else:
+            new.__dict__["slices_by_service"] = old.slices_by_service
         self._observe_programming(now, changed)
         view_kinds = set(kinds) | ({"Service", "EndpointSlice"} if changed else set())
         delta = Delta(frozenset(changed), frozenset(view_kinds), full)

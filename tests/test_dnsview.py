@@ -108,3 +108,41 @@ def test_unreadable_kernel_entries_are_skipped():
     listed(store, [svc("same", "10.96.0.5")], [eps("same", "10.0.0.1")])
     view.adopt({("not-an-ip", "TCP", 80): {"x"}, ("10.96.0.5", "TCP", 80): {"garbage", "10.0.0.1:8080"}})
     assert shown_ips(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == ["10.0.0.1"]
+
+
+def test_slices_by_service_kept_per_change_matches_a_rebuild():
+    """The view keeps its per-Service slice index as changes come (no full rebuild per
+    change); after every step it equals the index rebuilt from the view's slices."""
+    from clusterdns.state import ClusterState
+    store = StateStore()
+    view = DnsView(store)
+
+    def check():
+        cur = view.current
+        assert dict(cur.slices_by_service) == dict(ClusterState(slices=cur.slices).slices_by_service)
+
+    listed(store, [svc("a", "10.96.0.5"), svc("b", "10.96.0.6"), svc("h", "None")],
+           [eps("a", "10.0.0.1"), eps("b", "10.0.0.2")])
+    check()
+    view.applied(store.current.version)
+    check()
+    assert [sl.name for sl in view.current.slices_for("ns", "a")] == ["a-1"]
+    # a second slice sorts before the first; a slice of a Service that is not applied yet
+    store.upsert("EndpointSlice", EndpointSlice("ns", "a-0", "a", "IPv4", (Endpoint(("10.0.0.3",)),),
+                                                (EndpointPort("http", "TCP", 8080),)))
+    store.upsert("Service", svc("c", "10.96.0.7"))
+    store.upsert("EndpointSlice", eps("c", "10.0.0.4"))
+    check()
+    view.applied(store.current.version)
+    check()
+    assert [sl.name for sl in view.current.slices_for("ns", "a")] == ["a-0", "a-1"]
+    assert view.current.slices_for("ns", "c")
+    store.delete("EndpointSlice", ("ns", "a-1"))
+    store.delete("Service", ("ns", "b"))
+    check()
+    assert [sl.name for sl in view.current.slices_for("ns", "a")] == ["a-0"]
+    assert view.current.slices_for("ns", "b") == ()
+    store.replace("EndpointSlice", [eps("c", "10.0.0.9")])     # a relist
+    view.applied(store.current.version)
+    check()
+    assert view.current.slices_for("ns", "a") == ()
