@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
 
 import dnslib
 
-from .syntax import Directive
+from .syntax import Directive, plugin_error
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -157,16 +157,36 @@ def match_zone(zones: list[str] | tuple[str, ...], name: str) -> str | None:
     return best
 
 
-def normalize_zones(tokens: list[str], block_zones: list[str]) -> list[str]:
+def normalize_zones(tokens: list[str], block_zones: list[str], d: Directive | None = None,
+                    plugin: str | None = None) -> list[str]:
     """A plugin's ZONES arguments as CoreDNS takes them: none means the block's zones; each
-    is made an FQDN; a CIDR becomes its reverse zone(s)."""
+    is made an FQDN; a CIDR becomes its reverse zone(s). One that is neither (a bad CIDR, an
+    empty or too long label) is a setup error at `d` (plugin/PLUGIN), ValueError without `d`."""
     if not tokens:
         return list(block_zones)
-    from .keys import reverse_zones  # CIDR -> in-addr.arpa / ip6.arpa zones
     out: list[str] = []
     for t in tokens:
-        if "/" in t:
-            out += reverse_zones(t)
-        else:
-            out.append(fqdn(t))
+        try:
+            out += zone_argument(t)
+        except ValueError as exc:
+            if d is None:
+                raise
+            raise plugin_error(d, f"unable to normalize '{t}': {exc}", plugin) from None
     return out
+
+
+def zone_argument(text: str) -> list[str]:
+    """One ZONES argument as normalize_zones takes it; ValueError saying why it is none."""
+    if "/" in text:
+        from .keys import reverse_zones  # CIDR -> in-addr.arpa / ip6.arpa zones
+        return reverse_zones(text)
+    name = fqdn(text)
+    if name != ".":
+        labels = name[:-1].split(".")
+        if not all(labels[1:]):      # (a leading dot, `.*`, CoreDNS's tests take as a zone)
+            raise ValueError("empty label")
+        if any(len(label) > 63 for label in labels):
+            raise ValueError("label longer than 63 bytes")
+        if len(name) > 254:
+            raise ValueError("name longer than 253 bytes")
+    return [name]

@@ -24,4 +24,4 @@ def setup(d: Directive, ctx: SetupContext) -> Plugin:
     source = d.values[-1]
     if source != "@kubernetes":
         raise plugin_error(d, f"{source}: only @kubernetes is supported (search paths from the pod's namespace)")
-    return Autopath(normalize_zones(d.values[:-1], ctx.zones), d.where)
+    return Autopath(normalize_zones(d.values[:-1], ctx.zones, d, "autopath"), d.where)

@@ -614,7 +614,7 @@ def setup(directive: Directive, ctx: SetupContext) -> Cache:
                 raise plugin_error(directive, f"cache TTL can not be zero or negative: {ttl}")
             opts.pttl = opts.nttl = ttl
             args = args[1:]
-    opts.zones = normalize_zones(args, ctx.zones)
+    opts.zones = normalize_zones(args, ctx.zones, directive, "cache")
 
     for line in directive.lines():
         if line.body is not None:
@@ -674,7 +674,7 @@ def setup(directive: Directive, ctx: SetupContext) -> Cache:
         elif name == "disable":
             if not values:
                 raise plugin_error(line, "disable takes success|denial [ZONES...]", "cache")
-            zones = [fqdn(z) for z in values[1:]] or ["."]
+            zones = normalize_zones(values[1:], ["."], line, "cache")
             if values[0] == DENIAL:
                 opts.nexcept = zones
             elif values[0] == SUCCESS:

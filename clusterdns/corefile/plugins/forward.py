@@ -52,8 +52,18 @@ import dnslib
 
 from ...dns import resolvconf
 from ...dns.forward import MAX_UPSTREAMS, Forward, ForwardFailed, ForwardRefused, Upstream
-from ..keys import reverse_zones
-from ..plugin import REFUSED, SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, fqdn, is_subdomain
+from ..plugin import (
+    REFUSED,
+    SERVFAIL,
+    Next,
+    Plugin,
+    PluginError,
+    Request,
+    SetupContext,
+    fqdn,
+    is_subdomain,
+    zone_argument,
+)
 from ..syntax import Directive, Token, duration, plugin_error
 
 log = logging.getLogger(__name__)
@@ -141,14 +151,10 @@ def _name_ok(name: str) -> bool:
 
 def _zones(d: Directive, text: str) -> list[str]:
     """A FROM or except name as CoreDNS's NormalizeExact makes it: FQDN, a CIDR its reverse zones."""
-    if "/" in text:
-        try:
-            return reverse_zones(text)
-        except ValueError:
-            raise plugin_error(d, f"unable to normalize '{text}'", "forward") from None
-    if not _name_ok(text):
-        raise plugin_error(d, f"unable to normalize '{text}'", "forward")
-    return [fqdn(text)]
+    try:
+        return zone_argument(text)
+    except ValueError as exc:
+        raise plugin_error(d, f"unable to normalize '{text}': {exc}", "forward") from None
 
 
 def _ip(host: str) -> str | None:

@@ -477,13 +477,6 @@ def _inline_entry(line: Directive) -> str:
     return " ".join(fields)
 
 
-def zones(tokens: list[str], default: list[str]) -> list[str]:
-    """normalize_zones, which needs the Corefile key reader only for CIDR arguments."""
-    if any("/" in t for t in tokens):
-        return normalize_zones(tokens, default)
-    return [fqdn(t) for t in tokens] if tokens else list(default)
-
-
 def setup(d: Directive, ctx: SetupContext) -> Hosts:
     args = d.values
     path = DEFAULT_FILE
@@ -491,7 +484,7 @@ def setup(d: Directive, ctx: SetupContext) -> Hosts:
         path = args[0]
         if not os.path.isabs(path):
             path = os.path.join(ctx.base_dir, path)
-    origins = zones(args[1:], ctx.zones)
+    origins = normalize_zones(args[1:], ctx.zones, d, "hosts")
     ttl, reverse, reload = DEFAULT_TTL, True, DEFAULT_RELOAD
     fall: list[str] | None = None
     fall_unsupported = False
@@ -499,7 +492,7 @@ def setup(d: Directive, ctx: SetupContext) -> Hosts:
     for line in d.lines():
         name, vals = line.name, line.values
         if name == "fallthrough":
-            fall = zones(vals, ["."])
+            fall = normalize_zones(vals, ["."], line, "hosts")
         elif name == "fallthrough_unsupported":
             if vals:
                 raise plugin_error(line, "fallthrough_unsupported takes no arguments", "hosts")

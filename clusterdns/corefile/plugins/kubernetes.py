@@ -96,7 +96,7 @@ def _same_question(req: Request) -> bool:
 
 
 def setup(d: Directive, ctx: SetupContext) -> Plugin:
-    zones = normalize_zones(d.values, ctx.zones)
+    zones = normalize_zones(d.values, ctx.zones, d, "kubernetes")
     if "." in zones:
         raise plugin_error(d, "the root zone cannot be served from the cluster state; name the cluster zone")
     options: dict = {}
@@ -118,7 +118,7 @@ def setup(d: Directive, ctx: SetupContext) -> Plugin:
                 raise plugin_error(line, f"ttl must be in range [0, 3600]: {' '.join(args)}", "kubernetes")
             options["ttl"] = ttl
         elif name == "fallthrough":
-            options["fallthrough"] = tuple(z.rstrip(".") for z in normalize_zones(args, [])) if args else ()
+            options["fallthrough"] = tuple(z.rstrip(".") for z in normalize_zones(args, [], line, "kubernetes")) if args else ()
         elif name == "namespaces":
             if not args:
                 raise plugin_error(line, "namespaces: at least one namespace", "kubernetes")

@@ -43,7 +43,7 @@ import re2
 from prometheus_client import Counter
 
 from ...metrics import DNS as REGISTRY
-from ..plugin import SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, match_zone
+from ..plugin import SERVFAIL, Next, Plugin, PluginError, Request, SetupContext, match_zone, normalize_zones
 from ..syntax import Directive, plugin_error
 from ._gotext import Template as GoTemplate
 from ._gotext import TemplateError
@@ -126,14 +126,6 @@ def _regex(d: Directive, pattern: str):
         reason = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
         raise plugin_error(d, f"could not parse regex: {pattern}, error parsing regexp: {reason}",
                            "template") from None
-
-
-def _zones(tokens: list[str], default: list[str], d: Directive) -> list[str]:
-    from .hosts import zones
-    try:
-        return zones(tokens, default)
-    except ValueError as exc:
-        raise plugin_error(d, str(exc), "template") from None
 
 
 class Template(Plugin):
@@ -257,7 +249,7 @@ def setup(d: Directive, ctx: SetupContext) -> Template:
     qtype = qtype_number(args[1])
     if qtype is None:
         raise plugin_error(d, f"invalid RR type {args[1]}")
-    zones = _zones(args[2:], ctx.zones, d)
+    zones = normalize_zones(args[2:], ctx.zones, d, "template")
     regexes: list = []
     sections: dict[str, list[GoTemplate]] = {s: [] for s in SECTIONS}
     rcode, ederror, fall = 0, None, None
@@ -294,7 +286,7 @@ def setup(d: Directive, ctx: SetupContext) -> Template:
                 raise plugin_error(line, f"error parsing extended DNS error code {vals[0]}", "template")
             ederror = (int(vals[0]), vals[1] if len(vals) == 2 else "")
         elif name == "fallthrough":
-            fall = _zones(vals, ["."], line)
+            fall = normalize_zones(vals, ["."], line, "template")
         else:
             raise plugin_error(line, f"unknown property '{name}'", "template")
     if not regexes:
