@@ -134,7 +134,7 @@ class CorefileAsker:
     def where(self, qname: str) -> dict:
         info = self.info.get(qname.lower(), {})
         return {"block": info.get("block", ""), "zone": info.get("zone", ""), "plugin": info.get("plugin", ""),
-                "trail": info.get("trail", [])}
+                "upstream": info.get("upstream", ""), "cache": info.get("cache", ""), "trail": info.get("trail", [])}
 
     async def ask(self, qname: str, qtype: str) -> dns.message.Message:
         q = _query(qname, qtype)
@@ -750,6 +750,10 @@ def format_text(data: dict, color: bool = False) -> str:
         source = route_text.get(q.get("route", ""), "-")
         if "block" in q:        # a Corefile: the server block (FILE:LINE) and the plugin that answered
             source = f"{q['block'] or 'no block'} {q.get('plugin') or ('REFUSED' if not q['block'] else '-')}"
+            if q.get("upstream"):       # which upstream forward's answer came from
+                source += f" {q['upstream']}"
+            if q.get("cache"):
+                source += f" ({q['cache']})"
         rows.append([str(q["step"]), q["name"], q["type"], source, rcode, ans or "-"])
     lines += _table(rows)
     notes = [f"  {q['step']} {q['name']} {q['type']}: " + "; ".join(q["trail"]) for q in w["queries"] if q.get("trail")]

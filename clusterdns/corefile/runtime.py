@@ -227,7 +227,8 @@ class Listener:
         finally:
             current.reset(token)
         if info is not None:
-            info.update(plugin=req.data.get("by", ""), trail=list(req.trail), error=req.data.get("error", ""))
+            info.update(plugin=req.data.get("by", ""), trail=list(req.trail), error=req.data.get("error", ""),
+                        upstream=req.data.get("upstream", ""), cache=req.data.get("cache", ""))
         xfr = req.data.get("xfr")
         if xfr is not None:
             return xfr

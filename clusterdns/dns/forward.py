@@ -289,29 +289,32 @@ class Forward:
         reply.questions = list(request.questions)
         return reply
 
-    async def ask(self, request: dnslib.DNSRecord, tcp: bool) -> dnslib.DNSRecord:
+    async def ask(self, request: dnslib.DNSRecord, tcp: bool, tried: list | None = None) -> dnslib.DNSRecord:
         """The upstreams' answer to `request` with its ID and question (no cache, no loop
-        probes); ForwardRefused beyond max_concurrent, ForwardFailed when none answered."""
+        probes); ForwardRefused beyond max_concurrent, ForwardFailed when none answered.
+        `tried` gets each try as (upstream, transport, rcode or failure, whether its reply
+        is the one returned)."""
         qname = str(request.q.qname).lower() if request.questions else ""
-        reply, _ = await self._ask(request, tcp, qname)
+        reply, _ = await self._ask(request, tcp, qname, tried)
         reply.header.id = request.header.id
         reply.questions = list(request.questions)
         return reply
 
-    async def _ask(self, request: dnslib.DNSRecord, tcp: bool, qname: str) -> tuple[dnslib.DNSRecord, bytes]:
+    async def _ask(self, request: dnslib.DNSRecord, tcp: bool, qname: str,
+                   tried: list | None = None) -> tuple[dnslib.DNSRecord, bytes]:
         if self.max_concurrent and self._inflight >= self.max_concurrent:
             metrics.forward_rejects.inc()
             raise ForwardRefused(f"concurrent queries exceeded maximum {self.max_concurrent}")
         self._inflight += 1
         try:
-            reply, wire, reason = await self._forward(request, tcp, qname)
+            reply, wire, reason = await self._forward(request, tcp, qname, [] if tried is None else tried)
         finally:
             self._inflight -= 1
         if reply is None:
             raise ForwardFailed(reason)
         return reply, wire
 
-    async def _forward(self, request: dnslib.DNSRecord, tcp: bool, qname: str):
+    async def _forward(self, request: dnslib.DNSRecord, tcp: bool, qname: str, tried: list):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.overall_timeout
         order = self._order(qname)
@@ -328,6 +331,7 @@ class Forward:
         over_tcp = self._transport(tcp)
         reason = "overall timeout before any upstream was tried"
         last: tuple[dnslib.DNSRecord, bytes] | None = None    # a failover rcode's reply
+        last_try = -1
         if self.max_connect_attempts:
             order = order[:self.max_connect_attempts]
         for n, up in enumerate(order):
@@ -340,32 +344,40 @@ class Forward:
             wire = bytes(query.pack())
             started = time.perf_counter()
             metrics.forward_requests.labels(up.address).inc()
+            proto = "tls" if up.tls else "tcp" if over_tcp else "udp"
             try:
                 try_end = loop.time() + min(self.read_timeout, left)   # one bound for this try
                 data = await self._exchange(up, wire, over_tcp, try_end - loop.time())
                 reply = self._check(query, data, up)
                 if reply.header.tc and not over_tcp and not up.tls:
                     # Retry over TCP for the whole answer (cache it whole), within the same try.
+                    proto = "udp, truncated, then tcp"
                     data = await self._exchange(up, wire, True, max(0.0, try_end - loop.time()))
                     reply = self._check(query, data, up)
             except UnusableReply as exc:
                 reason = str(exc)
                 self._unusable(reason)
                 self._failed(up, reason)
+                tried.append((up.address, proto, reason, False))
                 continue
             except UpstreamError as exc:
                 reason = str(exc)
                 self._failed(up, reason)
+                tried.append((up.address, proto, reason, False))
                 continue
             rcode = metrics.RCODES.get(reply.header.rcode, str(reply.header.rcode))
+            tried.append((up.address, proto, rcode, False))
             metrics.forward_responses.labels(up.address, rcode).inc()
             metrics.proxy_duration.labels("forward", up.address, rcode).observe(time.perf_counter() - started)
             up.fails = 0
             if reply.header.rcode in self.failover and n + 1 < len(order):
                 last, reason = (reply, data), f"{up.address}: {rcode} (failover)"
+                last_try = len(tried) - 1
                 continue
+            tried[-1] = tried[-1][:3] + (True,)
             return reply, data, ""
         if last is not None:
+            tried[last_try] = tried[last_try][:3] + (True,)
             return last[0], last[1], ""
         return None, b"", reason
 

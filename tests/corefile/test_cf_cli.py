@@ -166,6 +166,70 @@ async def test_trace_in_process_names_the_block_and_plugin_of_each_question(tmp_
         await up.stop()
 
 
+async def test_trace_names_the_upstream_that_answered_and_a_cache_hit(tmp_path):
+    """A forwarded step names the upstream whose reply was used (the dead one tried first is
+    in the notes); asked again, the step is the cache's hit."""
+    from clusterdns.config import Config
+    from clusterdns.corefile.build import prepare
+    from clusterdns.sources.manifest import publish
+    from clusterdns.state import StateStore
+    from clusterdns.trace import CorefileAsker, build_trace, format_text
+    from tests import demo
+    from tests.dns.dnskit import FakeUpstream
+    ups = [await FakeUpstream({"www.example.org.": [f"www.example.org. 300 IN A 192.0.2.{i}"],
+                               "www.stub.example.": [f"www.stub.example. 300 IN A 198.51.100.{i}"]}).start()
+           for i in (1, 2)]
+    dead = free_port()          # nothing listens there: refused at once
+    try:
+        path = tmp_path / "Corefile"
+        path.write_text(f""".:5399 {{
+    kubernetes cluster.local in-addr.arpa ip6.arpa
+    forward . 127.0.0.1:{dead} 127.0.0.1:{ups[0].port} {{
+        policy sequential
+    }}
+    cache 30
+}}
+stub.example:5399 {{
+    forward . 127.0.0.1:{ups[1].port}
+}}
+""")
+        store = StateStore()
+        publish(store, demo.demo_records())
+        for name, up, block, ip in (("www.example.org.", ups[0], 1, "192.0.2.1"),
+                                    ("www.stub.example.", ups[1], 8, "198.51.100.2")):
+            cfg = Config.from_options("trace", corefile=str(path), name=name)
+            data = await build_trace(cfg, store.current)
+            q = [x for x in data["walk"]["queries"] if x["type"] == "A"][0]
+            assert (q["plugin"], q["upstream"], q["cache"]) == ("forward", f"127.0.0.1:{up.port}", ""), q
+            text = format_text(data)
+            assert f"{path}:{block} forward 127.0.0.1:{up.port}" in text, text
+            assert ip in text
+        trail = "; ".join(q["trail"])
+        assert f"from 127.0.0.1:{ups[1].port} over tcp" in trail and "tried" not in trail, trail
+        cfg = Config.from_options("trace", corefile=str(path), name="www.example.org.")
+        data = await build_trace(cfg, store.current)
+        trail = "; ".join(next(x for x in data["walk"]["queries"] if x["type"] == "A")["trail"])
+        assert "cache: miss" in trail and f"from 127.0.0.1:{ups[0].port} over tcp (tried 127.0.0.1:{dead} over tcp:" \
+            in trail, trail
+        # the same Corefile asked twice: the second answer is the cache's
+        corefile, _ = prepare(cfg)
+        corefile.update(store.current)
+        asker = CorefileAsker(corefile, corefile.listeners[("0.0.0.0", 5399)], "127.0.0.1")
+        first = await asker.ask("www.example.org.", "A")
+        w = asker.where("www.example.org.")
+        assert (w["plugin"], w["upstream"], w["cache"]) == ("forward", f"127.0.0.1:{ups[0].port}", "")
+        asked = len(ups[0].received)
+        second = await asker.ask("www.example.org.", "A")
+        w = asker.where("www.example.org.")
+        assert (w["plugin"], w["upstream"], w["cache"]) == ("cache", "", "hit"), w
+        assert any(t.startswith("cache: hit (success, stored") for t in w["trail"]), w
+        assert first.answer == second.answer
+        assert len(ups[0].received) == asked          # the second did not reach the upstream
+    finally:
+        for up in ups:
+            await up.stop()
+
+
 def test_agent_reload_plugin_serves_a_changed_corefile_and_keeps_serving_a_broken_one(tmp_path):
     dns_port, prom = free_port(), free_port()
     path = tmp_path / "Corefile"

@@ -352,10 +352,14 @@ class Cache(Plugin):
         stores = self._stores(qname)
         item = self._get(now, key, stores, server)
         if item is None:
+            req.note("cache: miss")
             reply = await self._fetch(req, next, key, stores, server, ad)
             assert reply is not None
             return reply
         ttl = item.ttl(now)
+        req.data["cache"] = "hit" if ttl >= 0 else "stale"
+        req.note(f"cache: {'hit' if ttl >= 0 else 'stale'} ({'success' if item.rcode == 0 and item.answer else 'denial'}, "
+                 f"stored {now - item.stored:.0f}s ago)")
         if ttl < 0:
             if self.opts.verify:
                 try:

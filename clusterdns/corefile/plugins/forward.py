@@ -103,13 +103,20 @@ class ForwardPlugin(Plugin):
         req.data[SEEN] = req.data.get(SEEN, 0) + 1
         if not self.matches(req.qname):
             return await next(req)
+        tried: list[tuple[str, str, str, bool]] = []
         try:
-            reply = await self.fwd.ask(req.record, req.tcp)
+            reply = await self.fwd.ask(req.record, req.tcp, tried)
         except ForwardRefused as exc:
             raise PluginError(REFUSED, f"plugin/forward: {exc}") from None
         except ForwardFailed as exc:
+            req.note(f"forward {self.from_zone}: no answer" + _tries(tried))
             raise PluginError(SERVFAIL, f"plugin/forward: {self.from_zone}: {exc}") from None
-        req.note(f"forward {self.from_zone}: {RCODE_NAMES.get(reply.header.rcode, reply.header.rcode)}")
+        used = _used(tried)
+        if used is not None:
+            req.data["upstream"] = used[0]
+        req.note(f"forward {self.from_zone}: {RCODE_NAMES.get(reply.header.rcode, reply.header.rcode)}"
+                 + (f" from {used[0]} over {used[1]}" if used else "")
+                 + _tries([t for t in tried if t is not used]))
         if not self._hand_on(reply):
             return reply
         seen = req.data[SEEN]
@@ -135,6 +142,21 @@ class ForwardPlugin(Plugin):
 
     def describe(self) -> str:
         return self.summary
+
+
+def _used(tried: list[tuple[str, str, str, bool]]) -> tuple[str, str, str, bool] | None:
+    for t in tried:
+        if t[3]:
+            return t
+    return None
+
+
+def _tries(tried: list[tuple[str, str, str, bool]]) -> str:
+    """The other tries of a query, as trace shows them."""
+    if not tried:
+        return ""
+    return " (tried " + ", ".join(f"{up} over {proto}: {result.removeprefix(up + ': ')}"
+                                  for up, proto, result, _used in tried) + ")"
 
 
 def _arg_error(d: Directive, after: str) -> Exception:
