@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -211,7 +212,7 @@ def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env
             if len(bound_ports[k.port]) > 1:
                 raise CorefileError(k.token, f"blocks on port {k.port} must all use bind or none "
                                              "(a block without bind would receive nothing or random traffic)")
-            for host in binds or ["0.0.0.0"]:
+            for host in binds or _wildcards():
                 placed.setdefault((host, k.port), {})[k.zone] = block
         _process_settings(cf, plugins)
     cf.listeners = {hp: Listener(hp[0], hp[1], zmap, cfg.dns.udp_size) for hp, zmap in placed.items()}
@@ -232,6 +233,19 @@ def build(blocks: list[ServerBlock], cfg: Config, *, path: str = "Corefile", env
         cf.plugins += [p for p in cluster.plugins if p not in cf.plugins]
         cf.digest = hashlib.sha512((cf.digest + cluster.digest).encode()).hexdigest()
     return cf
+
+
+def _wildcards() -> list[str]:
+    """Where a block without bind listens: every address, IPv4 and IPv6, as CoreDNS's `:53`
+    (one dual-stack socket there; here one socket per family, each replying from the
+    address asked). IPv4 alone where the kernel has no IPv6."""
+    if not socket.has_ipv6:
+        return ["0.0.0.0"]
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).close()
+    except OSError:
+        return ["0.0.0.0"]
+    return ["0.0.0.0", "::"]
 
 
 def _engine_for(kube: Any, engines: dict[tuple, Any], cf: Corefile) -> None:

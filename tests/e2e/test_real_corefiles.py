@@ -89,7 +89,7 @@ def _plan(path: Path, case: dict):
 
 
 def _dig(ns: str, host: str, port: int, name: str, qtype: str) -> str:
-    host = {"0.0.0.0": "127.0.0.1"}.get(host, host)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return run("dig", "+time=2", "+tries=2", f"@{host}", "-p", str(port), name, qtype, ns=ns).stdout
 
 
