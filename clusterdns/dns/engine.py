@@ -187,17 +187,24 @@ class Engine:
         """A prebuilt answer for an ordinary query, or None (then call resolve()).
 
         A question not answered yet in this state version is answered here too when its
-        answer is the same for every client: the one lookup, packed, remembered."""
+        answer is the same for every client: the one lookup, packed, remembered. A UDP
+        query whose bytes after the ID were answered from the memo before in this state
+        version gets that reply again with its own ID (view.replies: one lookup)."""
+        view = self._view
+        if not tcp:
+            tail = view.replies.get(data[2:])
+            if tail is not None:
+                return data[:2] + tail
         r = read_query(data, tcp, self.udp_size)
         if r is None:
             return None
         end, qend, edns, limit = r
         opt = b"" if edns < 0 else (self._opt_do if edns else self._opt)
-        view = self._view
         key = data[12:end + 1].lower() + data[end + 1:end + 3]
         memo = view.memo
         entry = memo.get(key)
-        if entry is not None:
+        hot = entry is not None
+        if hot:
             memo.move_to_end(key)
         else:
             entry = self._memo_miss(view, key)
@@ -217,10 +224,16 @@ class Engine:
             zone = data[qend - 5 - body.zlen:qend - 5]
             spots = zone != zone.lower()
         if spots or qend + len(body.data) + len(opt) > limit:
-            return render(body, entry.flags, data, data[12:qend], 1, opt, limit)
-        return b"".join((data[:2], struct.pack(">HHHHH", entry.flags | ((data[2] << 8 | data[3]) & QUERY_FLAGS), 1,
-                                               body.an, body.ns, body.ar + (1 if opt else 0)),
-                         data[12:qend], body.data, opt))
+            reply = render(body, entry.flags, data, data[12:qend], 1, opt, limit)
+        else:
+            reply = b"".join((data[:2], struct.pack(">HHHHH", entry.flags | ((data[2] << 8 | data[3]) & QUERY_FLAGS),
+                                                    1, body.an, body.ns, body.ar + (1 if opt else 0)),
+                              data[12:qend], body.data, opt))
+        if hot and not tcp and len(bodies) == 1:
+            # asked again: the whole reply but its ID is a function of the query's other bytes
+            # (rotated answers depend on the ID, so they are not kept)
+            view.remember_reply(data[2:], reply[2:])
+        return reply
 
     def _memo_miss(self, view: ZoneView, key: bytes) -> Entry | None:
         """An answer asked once before (moved up to the memo now) or carried over from an

@@ -36,6 +36,8 @@ SCHEMA_VERSION = "1.1.0"
 BIG = 200                 # endpoints or ports beyond which a Service's records are made lazily
 VERSION_TTL = 28800
 HINFO_RDATA = RD(b"\x07RFC8482\x00")   # RFC 8482 section 4.2: the minimal answer to ANY
+REPLIES_BUDGET = 8 << 20   # bytes of whole replies kept per state version (ZoneView.replies)
+REPLY_OVERHEAD = 120       # a kept reply's two bytes objects and dict slot beyond their data
 
 
 def label(parts: Labels) -> DNSLabel:
@@ -401,6 +403,11 @@ class ZoneView:
         # (a flood of new names churns only that one); least recently used go when full
         self.memo = Lru(cfg.dns.memo_size)
         self.probation = Lru(cfg.dns.memo_probation)
+        # whole UDP replies of memo answers but their ID, by the query's bytes after its ID
+        # (the engine's first lookup); emptied when full (REPLIES_BUDGET bytes or as many
+        # replies as the memo holds answers)
+        self.replies: dict[bytes, bytes] = {}
+        self._replies_size = 0
         self._soas: dict[Labels, RR] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None
@@ -415,6 +422,15 @@ class ZoneView:
                 self.svc_namespaces = {k[0] for k in self.services}
             self._exposed: dict[str, bool] = {}
             self.cips, self.eps = self._index_addresses(prev)
+
+    def remember_reply(self, query: bytes, reply: bytes) -> None:
+        """Keep `reply` (the message after its ID) for the query bytes after its ID."""
+        size = len(query) + len(reply) + REPLY_OVERHEAD
+        if self._replies_size + size > REPLIES_BUDGET or len(self.replies) >= self.memo.limit:
+            self.replies.clear()        # a new working set: the hot names come back at once
+            self._replies_size = 0
+        self.replies[query] = reply
+        self._replies_size += size
 
     # --- compile ---------------------------------------------------------------------
 

@@ -955,6 +955,7 @@ def fresh_tables(engine) -> None:
     view = engine.view
     view.memo.clear()
     view.probation.clear()
+    view.replies.clear()
     engine._nx_entries.clear()
     for memo in view.carried:
         memo.clear()
@@ -1112,7 +1113,48 @@ def test_memo_limits_are_flags_and_the_least_recently_used_go(demo_state):
     off = make_engine(demo_state, memo_size=0, memo_probation=0)
     for w in names * 2:
         assert off.fast(w, False) is not None               # still answered, nothing kept
-    assert not off.view.memo and not off.view.probation
+    assert not off.view.memo and not off.view.probation and not off.view.replies
+
+
+def _with_id(wire: bytes, qid: int) -> bytes:
+    return struct.pack(">H", qid) + wire[2:]
+
+
+def test_whole_replies_are_kept_per_state_version_and_never_outlive_it():
+    """A UDP query asked again is answered from view.replies (the reply but its ID, by the
+    query's other bytes), with its own ID; a new state version starts without them, so the
+    next answer is the new state's. Rotated answers depend on the ID and TCP has its own
+    limit: neither is kept."""
+    from dataclasses import replace
+    web = Service("ns", "web", cluster_ips=("10.96.0.10",))
+    hl = Service("ns", "hl", headless=True)
+    eps = EndpointSlice("ns", "hl-1", "hl", "IPv4", tuple(Endpoint((f"10.1.0.{i}",)) for i in range(1, 5)))
+    engine = make_engine(make_state([("Service", web), ("Service", hl), ("EndpointSlice", eps)]))
+    wire = query_wire("Web.ns.svc.cluster.local")
+    nx = query_wire("nope.ns.svc.cluster.local", "AAAA", use_edns=0, want_dnssec=True)
+    for i in range(4):
+        for w in (_with_id(wire, i), _with_id(nx, i)):
+            reply = engine.fast(w, False)
+            assert reply == asyncio.run(engine.resolve(w, "10.0.0.1", False)) and reply[:2] == w[:2]
+    assert wire[2:] in engine.view.replies and nx[2:] in engine.view.replies
+    reply = engine.fast(_with_id(wire, 0xBEEF), False)
+    m = dns.message.from_wire(reply)
+    assert m.id == 0xBEEF and lines(m.answer) == a("web.ns.svc.cluster.local.", "10.96.0.10")
+    assert m.question[0].name.to_text() == "Web.ns.svc.cluster.local."
+    engine.update(make_state([("Service", replace(web, cluster_ips=("10.96.0.99",))), ("Service", hl),
+                              ("EndpointSlice", eps)]))
+    assert not engine.view.replies
+    for i in range(3):
+        m = dns.message.from_wire(engine.fast(_with_id(wire, i), False))
+        assert lines(m.answer) == a("web.ns.svc.cluster.local.", "10.96.0.99")
+    hw = query_wire("hl.ns.svc.cluster.local")
+    orders = set()
+    for i in range(8):
+        m = dns.message.from_wire(engine.fast(_with_id(hw, i), False))
+        orders.add(tuple(r.address for r in m.answer[0]))
+        assert engine.fast(_with_id(wire, i), True) is not None
+    assert len(orders) > 1 and hw[2:] not in engine.view.replies
+    assert list(engine.view.replies) == [wire[2:]]
 
 
 def test_unique_names_under_unique_namespaces_stay_bounded(demo_state):

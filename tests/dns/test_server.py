@@ -756,6 +756,59 @@ async def test_udp_receive_threads_answer_and_count_exactly_at_scrape(workers, b
     assert not any(r.thread.is_alive() for r in service._receivers or [])
 
 
+async def test_a_batch_with_misses_answers_each_sender_its_own_question(monkeypatch):
+    """One recvmmsg batch of queries from different sockets, fast-path answers and misses
+    (resolve() on the loop) mixed: every sender gets the answer to its own question, in this
+    batch and in the next (whose replies all go where their datagrams came from)."""
+    _skip_without_mmsg()
+    from clusterdns.dns.server import _Mmsg
+    batches: list[int] = []
+    receive = _Mmsg.receive
+
+    def spy(self) -> int:
+        got = receive(self)
+        batches.append(got)
+        return got
+    monkeypatch.setattr(_Mmsg, "receive", spy)
+    service = DnsService(cfg_for(), StateStore(), engine=EngineDouble())
+    await service.start()
+    loop = asyncio.get_running_loop()
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(12)]
+    try:
+        host, port = service.bound[0]
+
+        def exchange(names: list[str], hold: bool) -> list[dns.message.Message]:
+            for s in socks:
+                s.settimeout(3)
+            if hold:   # the thread takes the first datagram and waits for the lock: the rest queue up
+                service.engine_lock.acquire()
+            try:
+                for s, name in zip(socks, names):
+                    s.sendto(dns.message.make_query(name, "A").to_wire(), (host, port))
+                    if hold and s is socks[0]:
+                        time.sleep(0.2)
+                time.sleep(0.1)
+            finally:
+                if hold:
+                    service.engine_lock.release()
+            return [dns.message.from_wire(s.recvfrom(4096)[0]) for s in socks[:len(names)]]
+
+        for hold, names in ((True, [f"{'fast' if i % 3 else 'slow.1'}.n{i}.example." for i in range(12)]),
+                            (True, [f"fast.m{i}.example." for i in range(12)])):
+            replies = await loop.run_in_executor(None, exchange, names, hold)
+            for name, r in zip(names, replies):
+                assert r.question[0].name.to_text() == name
+                if name.startswith("fast."):
+                    assert r.answer[0][0].address == "192.0.2.1"
+                else:
+                    assert r.answer[0][0].strings == (name.encode(),)
+        assert max(batches) >= 11, batches     # the queued datagrams came in one batch
+    finally:
+        for s in socks:
+            s.close()
+        await service.stop()
+
+
 async def test_stop_ends_the_receive_threads_and_keeps_their_counts():
     service = DnsService(cfg_for("--workers", "2"), StateStore(), engine=EngineDouble())
     await service.start()
