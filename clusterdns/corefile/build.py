@@ -73,9 +73,6 @@ class Corefile:
             except Exception:
                 log.exception("stopping plugin %s failed", p.name)
 
-    def plugin_names(self) -> tuple[str, ...]:
-        return tuple(sorted({p.name for b in self.blocks for p in b.plugins}))
-
     def describe(self) -> str:
         out = [f"Corefile {self.path}"]
         for b in self.blocks:

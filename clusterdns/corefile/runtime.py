@@ -53,6 +53,8 @@ class Block:
         self.answering = [p for p in plugins if p.name not in SETUP_ONLY]
         self.run: Next | None = _chain(self.answering, names) if self.answering else None
         self.kube = next((p for p in plugins if p.name == "kubernetes"), None)
+        # CoreDNS counts a block's queries in its prometheus plugin: none, no coredns_dns_* series
+        self.counted = "prometheus" in names
         # the rest of the chain after kubernetes: where its engine sends what it does not answer
         if self.kube is not None:
             after = self.answering[self.answering.index(self.kube) + 1:]
@@ -75,6 +77,26 @@ class Block:
                                if p.name not in STATE_TRANSPARENT or not getattr(p, "state_transparent", True)]
                 self.guards.append(hop)
                 self.fast = hop.hop.fast       # type: ignore[attr-defined]
+
+    def label(self, zone: str, plugin: str) -> int:
+        """The metrics part id of `plugin`'s answers to names under this block's `zone`."""
+        if not self.counted:
+            return metrics.SILENT
+        if plugin == "kubernetes" and getattr(self.kube, "implicit", False):
+            plugin = "forward"      # node-local-dns's forward to the cluster DNS, answered in-process
+        return metrics.label(zone, plugin)
+
+    def enabled(self) -> list[str]:
+        """coredns_plugin_enabled's names: the plugins with a part in answering (CoreDNS's
+        handlers; the setup-only ones are not); none when the block is not counted."""
+        if not self.counted:
+            return []
+        names = []
+        for p in self.answering:
+            name = "forward" if p is self.kube and getattr(p, "implicit", False) else p.name
+            if name not in names:
+                names.append(name)
+        return names
 
     def describe(self) -> list[str]:
         out = []
@@ -134,7 +156,15 @@ class Listener:
         self.server = f"dns://{'[' + host + ']' if ':' in host else host}:{port}"
         self.udp_size = udp_size
         self._by_wire = {_wire_zone(z): b for z, b in blocks.items()}
+        # the metrics part of a memo answer, by the zone key that took the query
+        self._part_by_wire = {_wire_zone(z): b.label(z, "kubernetes") for z, b in blocks.items()}
         self._only = blocks["."] if list(blocks) == ["."] else None
+        # the part of the last answer fast() gave (read by the caller holding the engine lock)
+        self.part = self._part_by_wire[b"\x00"] if self._only is not None else metrics.SILENT
+
+    def enabled(self) -> list[tuple[str, str]]:
+        """(zone, plugin) of coredns_plugin_enabled on this listener."""
+        return [(zone, name) for zone, b in self.blocks.items() for name in b.enabled()]
 
     # --- what the DNS server drives (the Corefile object follows the state) -------------
 
@@ -166,6 +196,7 @@ class Listener:
                 i += name[i] + 1
             if block is None:
                 return None
+            self.part = self._part_by_wire[name[i:]]
         fast = block.fast
         if fast is None:
             return None
@@ -221,9 +252,11 @@ class Listener:
         token = current.set(req)
         try:
             reply = await block.run(req)   # type: ignore[misc]
+            metrics.answered_as(block.label(zone, req.data.get("by", "")))
         except PluginError as exc:
             reply = _error(record, exc.rcode)
             req.data.setdefault("error", exc.reason)
+            metrics.answered_as(block.label(zone, ""))     # no plugin wrote it: the server did
         finally:
             current.reset(token)
         if info is not None:

@@ -14,7 +14,16 @@ CoreDNS names the plugin that wrote the reply):
   `answered_by("forward")`; an unmarked reply that is not a zone answer was
   written by the server itself (FORMERR, NOTIMP, REFUSED, SERVFAIL) -> "".
 The answer of an upstream that sets AA without RA (an authoritative-only
-server used as upstream) counts as "kubernetes".
+server used as upstream) counts as "kubernetes". Those parts are the flags'
+one server block, zone ".".
+
+With a Corefile the `part` is a label id (`label(zone, plugin)`, interned once
+per block and plugin, not per query): the zone key of the server block that
+answered (the longest match of the question, as CoreDNS's prometheus plugin
+names it) and the plugin that wrote the reply. A query no block took (REFUSED
+before any chain, a malformed query, a panic) counts under zone "dropped"; a
+block without `prometheus` is not counted at all (CoreDNS counts in that
+plugin).
 
 The cache and the forwarder are off the hot path and use ordinary
 prometheus-client metrics; the cache's are exported with the server/zones/view
@@ -48,16 +57,39 @@ RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP",
 RAW_LIMIT = 4096  # distinct per-query keys kept before folding
 ZONE = "."   # the one server block: every query enters the "." chain
 
+DROPPED = "dropped"   # CoreDNS's zone of queries that never entered a server block's chain
+
 # The `part` of a raw key: how to name the plugin that answered (zone answers aside).
 FAST, SLOW, CACHE, FORWARD, SERVER = 0, 1, 2, 3, 4
 _PARTS = {"cache": CACHE, "forward": FORWARD}
 _PART_NAMES = ("cache", "", "cache", "forward", "")
 _answered: contextvars.ContextVar[int] = contextvars.ContextVar("clusterdns_answered_by", default=SLOW)
+# parts beyond SERVER: (zone, plugin) of a Corefile's blocks, None for one not counted (SILENT)
+_LABELS: list[tuple[str, str] | None] = [None] * (SERVER + 1)
+_LABEL_IDS: dict[tuple[str, str] | None, int] = {}
+
+
+def label(zone: str | None, plugin: str = "") -> int:
+    """The part id of answers of `plugin` in the block of `zone` (None: a block not counted)."""
+    key = None if zone is None else (zone, plugin)
+    got = _LABEL_IDS.get(key)
+    if got is None:
+        got = _LABEL_IDS[key] = len(_LABELS)
+        _LABELS.append(key)
+    return got
+
+
+SILENT = label(None)
 
 
 def answered_by(part: str) -> None:
     """The forwarder's mark on the query being resolved (its task's context): "cache" or "forward"."""
     _answered.set(_PARTS[part])
+
+
+def answered_as(part: int) -> None:
+    """The mark of a Corefile's answer: a label() id (the zone and the plugin that wrote it)."""
+    _answered.set(part)
 
 
 def begin_resolve() -> None:
@@ -73,35 +105,40 @@ class ServerStats:
     of durations. The scrape folds those into the exported families.
     """
 
-    __slots__ = ("server", "family", "plugins", "udp", "tcp", "requests", "do_requests", "durations",
+    __slots__ = ("server", "family", "plugins", "corefile", "udp", "tcp", "requests", "do_requests", "durations",
                  "duration_sum", "responses", "request_sizes", "response_sizes", "__weakref__")
 
-    def __init__(self, server: str, family: int, plugins: Iterable[str] = ()) -> None:
+    def __init__(self, server: str, family: int, plugins: Iterable[str | tuple[str, str]] = (),
+                 corefile: bool = False) -> None:
         self.server, self.family = server, family
-        self.plugins = tuple(plugins)          # coredns_plugin_enabled
+        # coredns_plugin_enabled: (zone, name), a bare name for zone "."
+        self.plugins = tuple(p if isinstance(p, tuple) else (ZONE, p) for p in plugins)
+        # a Corefile's listener: the flags' parts are replies no block wrote (zone "dropped")
+        self.corefile = corefile
         # (qtype hi, lo, reply flags byte 2, byte 3, request size, reply size, duration bucket, DO, part)
         # -> [n, seconds]; the flag bytes are -1 for a dropped query. Cleared in place by fold().
         self.udp: dict[tuple, list] = {}
         self.tcp: dict[tuple, list] = {}
-        # folded totals
-        self.requests: dict[tuple[bool, int], int] = {}       # (tcp, qtype) -> n
-        self.do_requests = 0
-        self.durations: dict[int, list[int]] = {}             # qtype -> count per bucket (+Inf last)
-        self.duration_sum: dict[int, float] = {}
-        self.responses: dict[tuple[int, str], int] = {}       # (rcode, plugin) -> n
-        self.request_sizes: dict[tuple[bool, int], int] = {}
-        self.response_sizes: dict[tuple[bool, int], int] = {}
+        # folded totals, by zone first
+        self.requests: dict[tuple[str, bool, int], int] = {}       # (zone, tcp, qtype) -> n
+        self.do_requests: dict[str, int] = {}
+        self.durations: dict[tuple[str, int], list[int]] = {}      # (zone, qtype) -> count per bucket (+Inf last)
+        self.duration_sum: dict[tuple[str, int], float] = {}
+        self.responses: dict[tuple[str, int, str], int] = {}       # (zone, rcode, plugin) -> n
+        self.request_sizes: dict[tuple[str, bool, int], int] = {}
+        self.response_sizes: dict[tuple[str, bool, int], int] = {}
 
-    def fast_udp(self, data: bytes, reply: bytes, started: float) -> None:
-        """A UDP query answered by the engine's fast path; `started`: perf_counter() on arrival."""
+    def fast_udp(self, data: bytes, reply: bytes, started: float, part: int = FAST) -> None:
+        """A UDP query answered by the engine's fast path; `started`: perf_counter() on arrival;
+        `part`: FAST, or the label() id of the Corefile block's answer."""
         elapsed = perf_counter() - started
         i = data.find(0, 12)
         try:
             key = (data[i + 1], data[i + 2], reply[2], reply[3], len(data), len(reply),
                    0 if elapsed <= _B0 else bisect_left(DURATION_BUCKETS, elapsed),
-                   data[i + 12] >> 7 if data[11] == 1 and data[i + 7] == 41 else 0, FAST)
+                   data[i + 12] >> 7 if data[11] == 1 and data[i + 7] == 41 else 0, part)
         except IndexError:
-            key = self._odd_key(data, reply, elapsed, FAST)
+            key = self._odd_key(data, reply, elapsed, part)
         v = self.udp.get(key)
         if v is None:
             self._new_key(self.udp, key, elapsed)
@@ -155,27 +192,38 @@ class ServerStats:
     def fold(self) -> None:
         """Move the raw per-query counts into the totals (at scrape, or when a table is full)."""
         nbuckets = len(DURATION_BUCKETS) + 1
+        labels = _LABELS
         for tcp, table in ((False, self.udp), (True, self.tcp)):
             raw = list(table.items())
             table.clear()           # in place: the server holds a reference to the table
             for (hi, lo, f2, f3, qsize, rsize, bucket, do, part), (n, seconds) in raw:
+                if part > SERVER:
+                    zp = labels[part]
+                    if zp is None:          # a block without prometheus: CoreDNS counts nothing
+                        continue
+                    zone, plugin = zp
+                elif self.corefile:
+                    zone, plugin = DROPPED, ""
+                else:
+                    zone, plugin = ZONE, _plugin(f2, f3, part)
                 qtype = hi << 8 | lo
                 qtype = qtype if qtype in MONITORED_TYPES else -1     # "other": bounded totals
-                k = (tcp, qtype)
+                k = (zone, tcp, qtype)
                 self.requests[k] = self.requests.get(k, 0) + n
                 if do:
-                    self.do_requests += n
-                counts = self.durations.get(qtype)
+                    self.do_requests[zone] = self.do_requests.get(zone, 0) + n
+                zq = (zone, qtype)
+                counts = self.durations.get(zq)
                 if counts is None:
-                    counts = self.durations[qtype] = [0] * nbuckets
+                    counts = self.durations[zq] = [0] * nbuckets
                 counts[bucket] += n
-                self.duration_sum[qtype] = self.duration_sum.get(qtype, 0.0) + seconds
-                k = (tcp, qsize)
+                self.duration_sum[zq] = self.duration_sum.get(zq, 0.0) + seconds
+                k = (zone, tcp, qsize)
                 self.request_sizes[k] = self.request_sizes.get(k, 0) + n
                 if f2 >= 0:
-                    r = (f3 & 15, _plugin(f2, f3, part))
+                    r = (zone, f3 & 15, plugin)
                     self.responses[r] = self.responses.get(r, 0) + n
-                    k = (tcp, rsize)
+                    k = (zone, tcp, rsize)
                     self.response_sizes[k] = self.response_sizes.get(k, 0) + n
 
     def absorb(self, other: "ServerStats") -> None:
@@ -184,7 +232,7 @@ class ServerStats:
         pairs: list[tuple[dict[Any, Any], dict[Any, Any]]] = [
             (self.requests, other.requests), (self.responses, other.responses),
             (self.request_sizes, other.request_sizes), (self.response_sizes, other.response_sizes),
-            (self.duration_sum, other.duration_sum)]
+            (self.duration_sum, other.duration_sum), (self.do_requests, other.do_requests)]
         for mine, theirs in pairs:
             for k, n in list(theirs.items()):
                 mine[k] = mine.get(k, 0) + n
@@ -194,8 +242,6 @@ class ServerStats:
             for i, n in enumerate(counts):
                 have[i] += n
         other.durations.clear()
-        self.do_requests += other.do_requests
-        other.do_requests = 0
 
 
 def _plugin(f2: int, f3: int, part: int) -> str:
@@ -342,31 +388,33 @@ class DnsCollector:
         servers = sorted(_servers, key=lambda s: s.server)
         for s in servers:
             s.fold()
-            agg: dict[tuple[str, str], int] = {}
-            for (tcp, qtype), n in list(s.requests.items()):
-                k = ("tcp" if tcp else "udp", _type_name(qtype))
+            agg: dict[tuple[str, str, str], int] = {}
+            for (zone, tcp, qtype), n in list(s.requests.items()):
+                k = (zone, "tcp" if tcp else "udp", _type_name(qtype))
                 agg[k] = agg.get(k, 0) + n
-            for (proto, tname), n in sorted(agg.items()):
-                requests.add_metric([s.server, ZONE, "", proto, str(s.family), tname], n)
-            do_requests.add_metric([s.server, ZONE, ""], s.do_requests)
-            ragg: dict[tuple[str, str], int] = {}
-            for (rcode, plugin), n in list(s.responses.items()):
-                k = (RCODES.get(rcode, str(rcode)), plugin)
+            for (zone, proto, tname), n in sorted(agg.items()):
+                requests.add_metric([s.server, zone, "", proto, str(s.family), tname], n)
+            for zone in sorted({z for z, _t, _q in s.requests} | set(s.do_requests) | (set() if s.corefile else {ZONE})):
+                do_requests.add_metric([s.server, zone, ""], s.do_requests.get(zone, 0))
+            ragg: dict[tuple[str, str, str], int] = {}
+            for (zone, rcode, plugin), n in list(s.responses.items()):
+                k = (zone, RCODES.get(rcode, str(rcode)), plugin)
                 ragg[k] = ragg.get(k, 0) + n
-            for (rcode, plugin), n in sorted(ragg.items()):
-                responses.add_metric([s.server, ZONE, "", rcode, plugin], n)
-            for qtype, counts in sorted(s.durations.items()):
-                duration.add_metric([s.server, ZONE, "", _type_name(qtype)], _cumulative(counts, DURATION_BUCKETS),
-                                    s.duration_sum.get(qtype, 0.0))
+            for (zone, rcode, plugin), n in sorted(ragg.items()):
+                responses.add_metric([s.server, zone, "", rcode, plugin], n)
+            for (zone, qtype), counts in sorted(s.durations.items()):
+                duration.add_metric([s.server, zone, "", _type_name(qtype)], _cumulative(counts, DURATION_BUCKETS),
+                                    s.duration_sum.get((zone, qtype), 0.0))
             for family, table in ((req_size, s.request_sizes), (resp_size, s.response_sizes)):
-                for tcp in (False, True):
-                    sizes = {size: n for (t, size), n in list(table.items()) if t == tcp}
-                    if sizes:
-                        counts, total = _size_histogram(sizes)
-                        family.add_metric([s.server, ZONE, "", "tcp" if tcp else "udp"],
-                                          _cumulative(counts, SIZE_BUCKETS), total)
-            for name in s.plugins:
-                enabled.add_metric([s.server, ZONE, "", name], 1)
+                by: dict[tuple[str, bool], dict[int, int]] = {}
+                for (zone, tcp, size), n in list(table.items()):
+                    by.setdefault((zone, tcp), {})[size] = n
+                for (zone, tcp), sizes in sorted(by.items()):
+                    counts, total = _size_histogram(sizes)
+                    family.add_metric([s.server, zone, "", "tcp" if tcp else "udp"],
+                                      _cumulative(counts, SIZE_BUCKETS), total)
+            for zone, name in s.plugins:
+                enabled.add_metric([s.server, zone, "", name], 1)
         yield from (requests, do_requests, responses, duration, req_size, resp_size, enabled)
 
         panics = CounterMetricFamily("coredns_panics", "A metrics that counts the number of panics.")

@@ -213,8 +213,8 @@ class _Stats(metrics.ServerStats):
 
     __slots__ = ("receivers",)
 
-    def __init__(self, server: str, family: int, plugins=()) -> None:
-        super().__init__(server, family, plugins)
+    def __init__(self, server: str, family: int, plugins=(), corefile: bool = False) -> None:
+        super().__init__(server, family, plugins, corefile)
         self.receivers: list[_UdpReceiver] = []
 
     def fold(self) -> None:
@@ -242,6 +242,14 @@ class _Stats(metrics.ServerStats):
         super().fold()
 
 
+class _FastPart:
+    """The metrics part of an engine's fast() answers when it does not say (the flags' engine)."""
+    part = metrics.FAST
+
+
+_FAST_PART = _FastPart()
+
+
 class _UdpReceiver:
     """One UDP socket answered by a thread of its own: blocking receive (recvmmsg batches,
     or recvfrom), engine.fast(), send, with no event-loop step per query. Misses go to the event loop (resolve() in a
@@ -259,6 +267,8 @@ class _UdpReceiver:
                  loop: asyncio.AbstractEventLoop, engine=None) -> None:
         self.service, self.stats, self.sock, self.loop = service, stats, sock, loop
         self.engine = engine if engine is not None else service.engine   # what answers this socket
+        # the metrics part of its fast() answers: a Corefile listener says per answer (its block)
+        self.parts = self.engine if hasattr(self.engine, "part") else _FAST_PART
         host, port = sock.getsockname()[:2]
         # a wildcard address: reply from the address each query was sent to (the kernel would
         # pick the route's source, and a client that asked a secondary address drops that)
@@ -307,6 +317,7 @@ class _UdpReceiver:
                 try:
                     with self.service.engine_lock:
                         reply = fast(data, False)
+                        part = self.parts.part
                 except Exception:
                     reply = self.service.panic(data)
                     if reply is not None:
@@ -315,7 +326,7 @@ class _UdpReceiver:
                     continue
                 if reply is not None:
                     self.send(reply, addr, dst)
-                    stats.fast_udp(data, reply, started)
+                    stats.fast_udp(data, reply, started, part)
         except OSError:
             pass
 
@@ -385,7 +396,7 @@ class _UdpReceiver:
         """recvfrom/sendto (recvmsg/sendmsg with the destination address on a wildcard socket)."""
         fast, service, local = self.engine.fast, self.service, self.local
         lock = service.engine_lock
-        receive, send, count = self._receive, self.send, local.fast_udp
+        receive, send, count, parts = self._receive, self.send, local.fast_udp, self.parts
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
         # handed over before ServerStats would fold on its own (one new key per query at most)
         check, near_full = 255, metrics.RAW_LIMIT - 256
@@ -405,6 +416,7 @@ class _UdpReceiver:
             try:
                 with lock:
                     reply = fast(data, False)
+                    part = parts.part
             except Exception:
                 self._failed(data, addr, started, dst)
                 n |= check           # the table's size is checked below
@@ -416,7 +428,7 @@ class _UdpReceiver:
                     send(reply, addr, dst)
                 except OSError:
                     pass
-                count(data, reply, started)
+                count(data, reply, started, part)
             n += 1
             if not n & check and len(local.udp) >= near_full:   # odd traffic: let the loop fold it
                 self._handoff()
@@ -429,7 +441,7 @@ class _UdpReceiver:
         once per batch, and the batch's headers read in one call."""
         fast, service, local = self.engine.fast, self.service, self.local
         lock = service.engine_lock
-        count = local.fast_udp
+        count, parts = local.fast_udp, self.parts
         slow, call = self.service._udp_slow, self.loop.call_soon_threadsafe
         near_full = metrics.RAW_LIMIT - io.N
         receive, headers, send, addr_of, point = io.receive, io.headers, io.send, io.addr_of, io.point
@@ -467,7 +479,7 @@ class _UdpReceiver:
                     if j != i:
                         point(j, i)
                     j += 1
-                    count(data, reply, started)
+                    count(data, reply, started, parts.part)
             io.n = j
             send()
             if len(local.udp) >= near_full:      # odd traffic: let the loop fold it
@@ -813,6 +825,7 @@ class DnsService:
         client_ip = peer[0]
         engine = engine if engine is not None else self.engine
         fast, elock = engine.fast, self.engine_lock
+        parts = engine if hasattr(engine, "part") else _FAST_PART
         pending: set[asyncio.Future] = set()
         lock = asyncio.Lock()   # keeps each framed reply contiguous on the stream
         transport = writer.transport
@@ -865,10 +878,10 @@ class DnsService:
                 break
             conn.last = monotonic()
             started = perf_counter()
-            part = metrics.FAST
             try:
                 with elock:
                     reply = fast(data, True)
+                    part = parts.part
             except Exception:
                 reply, part = self.panic(data), metrics.SERVER
             if reply is not None:
@@ -904,9 +917,10 @@ class DnsService:
                     for x in socks + [tcp]:
                         x.close()
                     raise
-                plugins = (self.corefile.plugin_names() if self.corefile is not None
+                plugins = (engine.enabled() if self.corefile is not None
                            else metrics.plugins_for(self.cfg, self.forwarder))
-                stats = _Stats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1, plugins)
+                stats = _Stats(f"dns://{_show(host, real)}", 2 if _family(host) == socket.AF_INET6 else 1, plugins,
+                               corefile=self.corefile is not None)
                 metrics.register_server(stats)
                 self._stats.append(stats)
                 for sock in socks:
