@@ -77,6 +77,10 @@ class Block:
                                if p.name not in STATE_TRANSPARENT or not getattr(p, "state_transparent", True)]
                 self.guards.append(hop)
                 self.fast = hop.hop.fast       # type: ignore[attr-defined]
+        # who wrote a memo answer of this block, as CoreDNS would name it: node-local-dns's
+        # forward to the cluster DNS (answered in-process) is its forward
+        self.memo_writer = "kubernetes" if self.kube is not None and not getattr(self.kube, "implicit", False) \
+            else "forward"
 
     def label(self, zone: str, plugin: str) -> int:
         """The metrics part id of `plugin`'s answers to names under this block's `zone`."""
@@ -157,7 +161,7 @@ class Listener:
         self.udp_size = udp_size
         self._by_wire = {_wire_zone(z): b for z, b in blocks.items()}
         # the metrics part of a memo answer, by the zone key that took the query
-        self._part_by_wire = {_wire_zone(z): b.label(z, "kubernetes") for z, b in blocks.items()}
+        self._part_by_wire = {_wire_zone(z): b.label(z, b.memo_writer) for z, b in blocks.items()}
         self._only = blocks["."] if list(blocks) == ["."] else None
         # the part of the last answer fast() gave (read by the caller holding the engine lock)
         self.part = self._part_by_wire[b"\x00"] if self._only is not None else metrics.SILENT

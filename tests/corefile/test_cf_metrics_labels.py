@@ -14,6 +14,7 @@ from pathlib import Path
 import dns.message
 import dns.query
 import dns.rcode
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.netutil import free_port
@@ -139,3 +140,62 @@ def test_zone_and_plugin_labels_of_each_server_block(tmp_path):
                                                                                     "hosts"}
     assert {n for srv, z, n in enabled if (srv, z) == (server2, "only.test.")} == {"prometheus", "whoami"}
     assert not [e for e in enabled if e[1] == "quiet.test."]
+
+
+NODE_LOCAL = """cluster.local:{PORT} {
+    errors
+    cache {
+            success 9984 30
+            denial 9984 5
+    }
+    bind 127.0.0.1
+    forward . clusterdns:state {
+            force_tcp
+    }
+    prometheus 127.0.0.1:9253
+    }
+"""
+CLUSTER = """.:53 {
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa
+    prometheus :9153
+    loadbalance
+}
+"""
+
+
+@pytest.mark.parametrize("hop", [False, True])
+async def test_node_local_forward_answered_in_process_is_labelled_forward(tmp_path, hop):
+    """node-local-dns's forward to the cluster DNS, answered in this process (the flags' cluster
+    DNS, or --cluster-corefile's), is labelled as node-cache labels it: its forward wrote the
+    reply, in its block's zone; kubernetes is not among its plugins."""
+    from prometheus_client import generate_latest
+
+    from clusterdns.metrics import DNS as REGISTRY
+    from tests.corefile.cfserve import CorefileServer
+
+    options = {}
+    if hop:
+        cluster = tmp_path / "coredns.Corefile"
+        cluster.write_text(CLUSTER)
+        options["cluster_corefile"] = str(cluster)
+
+    def samples():
+        text = generate_latest(REGISTRY).decode()
+        return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    async with CorefileServer(NODE_LOCAL, tmp_path, **options) as s:
+        server = f"dns://127.0.0.1:{s.port}"
+        before = samples()
+        for _ in range(5):
+            r = await s.ask(SVC, "A")
+            assert [rd.address for rs in r.answer for rd in rs] == ["172.20.36.232"]
+        assert (await s.ask("nope.testapp.svc.cluster.local.", "A", tcp=True)).rcode() == dns.rcode.NXDOMAIN
+        after = samples()
+    got = {(s.labels["rcode"], s.labels["plugin"]): s.value - _total(before, s.name, **s.labels)
+           for s in after if s.name == "coredns_dns_responses_total" and s.labels["server"] == server}
+    assert {k: v for k, v in got.items() if v} == {("NOERROR", "forward"): 5, ("NXDOMAIN", "forward"): 1}
+    assert {s.labels["zone"] for s in after if s.name == "coredns_dns_requests_total"
+            and s.labels["server"] == server} == {"cluster.local."}
+    enabled = {s.labels["name"] for s in after if s.name == "coredns_plugin_enabled" and s.labels["server"] == server}
+    assert enabled == {"errors", "cache", "forward", "prometheus"}
