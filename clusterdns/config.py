@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -322,7 +323,10 @@ class _Version(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_args: Any) -> None:
         from .version import text
-        print(text())
+        try:
+            print(text(), flush=True)
+        except BrokenPipeError:     # `clusterdns --version | head -1`: the reader has gone
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         parser.exit(0)
 
 

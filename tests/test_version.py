@@ -171,3 +171,15 @@ async def test_build_info_series_on_their_listeners():
     assert re.fullmatch(r"linux/(amd64|arm64|arm|386|ppc64le|s390x|riscv64)", kube["platform"]), kube["platform"]
     # Each on its own listener only.
     assert _samples(proxy_text, "coredns_build_info") == [] and _samples(dns_text, "kubernetes_build_info") == []
+
+
+def test_version_into_a_closed_pipe_is_quiet():
+    """`clusterdns --version | head -0`: the reader is gone before the write; no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "clusterdns", "--version"], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO, check=False)
+    finally:
+        os.close(write)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
