@@ -140,7 +140,9 @@ class ServerProcess:
                 dns.query.udp(dns.message.make_query("dns-version.cluster.local.", "TXT"), "127.0.0.1",
                               port=self.port, timeout=0.2)
                 return
-            except (dns.exception.Timeout, OSError):
+            except (dns.exception.Timeout, OSError, dns.query.BadResponse):
+                # BadResponse: a late reply to an earlier try that timed out, reaching a new
+                # socket the kernel gave the same port
                 continue
         self.stop()
         raise RuntimeError("server did not answer within 15 s")
