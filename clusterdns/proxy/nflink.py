@@ -179,10 +179,13 @@ def _endpoints_udata(family: int, proto: str) -> bytes:
 class NflinkError(Exception):
     """The kernel refused the batch (nothing was applied), or the socket failed."""
 
-    def __init__(self, message: str, errno: int = 0, line: str = "") -> None:
+    def __init__(self, message: str, errno: int = 0, line: str = "",
+                 failures: list[tuple[int, int]] | None = None) -> None:
         super().__init__(message)
         self.errno = errno
         self.line = line
+        # every message the kernel refused: (its batch line, errno)
+        self.failures = failures or []
 
 
 class _TransportError(NflinkError):
@@ -979,7 +982,8 @@ def _send(link: _Link, batch: _Batch, describe) -> None:
         index = batch.lines[rseq - first - 1] if first < rseq < seq else None
         line = describe(index) if index is not None else ""
         where = f" at statement {index + 1}: {line}" if index is not None else " (batch)"
-        raise NflinkError(f"nftables: {os.strerror(errno)}{where}", errno, line)
+        failures = [(batch.lines[r - first - 1], e) for r, e in errors if first < r < seq]
+        raise NflinkError(f"nftables: {os.strerror(errno)}{where}", errno, line, failures)
 
 
 __all__ = ["NflinkError", "Unsupported", "apply", "close_all", "supported"]

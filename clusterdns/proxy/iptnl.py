@@ -1,0 +1,760 @@
+"""iptables-restore texts for the nf_tables backend, sent as one nfnetlink batch.
+
+`iptables-nft-restore --noflush` 1.8.9 spends most of a 10,000-Service full restore
+looking chains up (a hash of 512 buckets holding 110,000 names: strcmp, strlen and
+nftnl_chain_get_data are two thirds of its CPU time, with or without --noflush; see
+docs/proxy-runtime.md). This module writes the same nf_tables objects itself: for each
+line of the text the messages iptables-nft 1.8.9 sends for it (its expressions, xt
+matches and targets with the same revisions and data, a counter in every rule, the
+base chains it creates on first use), so that `iptables-nft-save` prints the rules it
+would have printed and the kernel holds the same objects. Checked against the tool:
+tests/proxy/test_iptnl.py compares the kernel's own dump of the rules, attribute by
+attribute, and iptables-nft-save, after both load the same texts.
+
+The whole text is one transaction (iptables-nft-restore commits table by table), so a
+refused text leaves every table as it was. Only the forms the renderers write are known;
+anything else raises Unsupported before anything is sent, and the caller uses the tool.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import struct
+
+from . import nflink
+from .nflink import (
+    DELCHAIN,
+    DELRULE,
+    NEWCHAIN,
+    NEWRULE,
+    NEWTABLE,
+    NLM_F_APPEND,
+    NLM_F_CREATE,
+    NflinkError,
+    Unsupported,
+    _attr,
+    _Batch,
+    _expr,
+    _fam_hdr,
+    _immediate_verdict,
+    _nest,
+    _str,
+    _u32,
+    _value,
+)
+
+log = logging.getLogger(__name__)
+
+GETCHAIN = 4
+NFT_JUMP, NFT_RETURN = -3, -5
+VERDICTS = {"ACCEPT": 1, "DROP": 0, "RETURN": NFT_RETURN}
+PROTOS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "icmpv6": 58}
+META_MARK, META_IIFNAME, META_OIFNAME, META_L4PROTO = 3, 6, 7, 16
+
+# iptables-nft's built-in chains: table -> chain -> (hook, priority, type)
+BASE_CHAINS = {
+    "filter": {"INPUT": (1, 0, "filter"), "FORWARD": (2, 0, "filter"), "OUTPUT": (3, 0, "filter")},
+    "nat": {"PREROUTING": (0, -100, "nat"), "INPUT": (1, 100, "nat"), "OUTPUT": (3, -100, "nat"),
+            "POSTROUTING": (4, 100, "nat")},
+    "mangle": {"PREROUTING": (0, -150, "filter"), "INPUT": (1, -150, "filter"), "FORWARD": (2, -150, "filter"),
+               "OUTPUT": (3, -150, "route"), "POSTROUTING": (4, -150, "filter")},
+    "raw": {"PREROUTING": (0, -300, "filter"), "OUTPUT": (3, -300, "filter")},
+}
+
+# xt_conntrack states: INVALID, then 1 << (ctinfo + 1), then SNAT, DNAT, UNTRACKED
+CT_STATES = {"INVALID": 1, "ESTABLISHED": 2, "RELATED": 4, "NEW": 8, "SNAT": 64, "DNAT": 128, "UNTRACKED": 256}
+ADDRTYPES = {"UNSPEC": 1, "UNICAST": 2, "LOCAL": 4, "BROADCAST": 8, "ANYCAST": 16, "MULTICAST": 32,
+             "BLACKHOLE": 64, "UNREACHABLE": 128, "PROHIBIT": 256, "THROW": 512, "NAT": 1024, "XRESOLVE": 2048}
+REJECT_DEFAULT = {4: 3, 6: 4}    # icmp-port-unreachable / icmp6-port-unreachable
+NF_NAT_RANGE_MAP_IPS, NF_NAT_RANGE_PROTO_SPECIFIED, NF_NAT_RANGE_PROTO_RANDOM_FULLY = 1, 2, 16
+
+# how many values each option of a match (or target) takes
+_ARITY = {
+    "comment": {"--comment": 1},
+    "tcp": {"--dport": 1, "--sport": 1},
+    "udp": {"--dport": 1, "--sport": 1},
+    "sctp": {"--dport": 1, "--sport": 1},
+    "conntrack": {"--ctstate": 1},
+    "mark": {"--mark": 1},
+    "statistic": {"--mode": 1, "--probability": 1},
+    "recent": {"--name": 1, "--rcheck": 0, "--set": 0, "--reap": 0, "--seconds": 1, "--rsource": 0},
+    "addrtype": {"--src-type": 1, "--dst-type": 1},
+    "DNAT": {"--to-destination": 1},
+    "MARK": {"--or-mark": 1, "--xor-mark": 1, "--set-xmark": 1},
+    "MASQUERADE": {"--random-fully": 0},
+    "REJECT": {"--reject-with": 1},
+}
+_TARGETS_WITH_OPTIONS = ("DNAT", "MARK", "MASQUERADE", "REJECT")
+# other target extensions (not chains): never written by the renderers
+_XT_TARGETS = frozenset(("SNAT", "LOG", "NFLOG", "NOTRACK", "CT", "TPROXY", "CONNMARK", "TRACE", "REDIRECT",
+                         "NETMAP", "TCPMSS", "CLASSIFY", "SET", "AUDIT", "CHECKSUM", "NFQUEUE", "QUEUE"))
+
+
+# ---------------------------------------------------------------- expression pieces
+
+def _split_data(make, n: int) -> tuple[bytes, bytes]:
+    """An expression whose last attribute holds n bytes of data, as (prefix, padding)."""
+    full = make(b"\xa5" * n)
+    pad = -n % 4
+    return full[:len(full) - pad - n], full[len(full) - pad:]
+
+
+_CMP: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+
+
+def _cmp(op: int, data: bytes) -> bytes:
+    key = (op, len(data))
+    parts = _CMP.get(key)
+    if parts is None:
+        parts = _CMP[key] = _split_data(lambda d: nflink._cmp(op, d), len(data))
+    return parts[0] + data + parts[1]
+
+
+_PAYLOADS: dict[tuple[int, int, int], bytes] = {}
+
+
+def _payload(base: int, offset: int, length: int) -> bytes:
+    key = (base, offset, length)
+    got = _PAYLOADS.get(key)
+    if got is None:
+        got = _PAYLOADS[key] = nflink._payload(base, offset, length)
+    return got
+
+
+def _meta(key: int) -> bytes:
+    return _expr("meta", _u32(2, key), _u32(1, 1))
+
+
+COUNTER = _expr("counter", _attr(1, bytes(8)), _attr(2, bytes(8)))
+_L4 = _meta(META_L4PROTO)
+
+
+def _xt(kind: str, name: str, rev: int, info: bytes) -> bytes:
+    info += b"\0" * (-len(info) % 8)          # XT_ALIGN
+    return _expr(kind, _str(1, name), _u32(2, rev), _attr(3, info))
+
+
+_COMMENTS: dict[str, bytes] = {}
+
+
+def _comment(text: str) -> bytes:
+    got = _COMMENTS.get(text)
+    if got is None:
+        raw = text.encode()
+        if len(raw) > 255:
+            raise Unsupported("comment longer than 255 bytes")
+        got = _xt("match", "comment", 0, raw + bytes(256 - len(raw)))
+        if len(_COMMENTS) < 50000:
+            _COMMENTS[text] = got
+    return got
+
+
+_ATTR_HDR = struct.Struct("=HH")
+_PADS = (b"", b"\0\0\0", b"\0\0", b"\0")
+
+
+def _sattr(kind: int, raw: bytes) -> bytes:
+    """A NUL-terminated string attribute (_str for bytes, without the encode)."""
+    n = len(raw) + 5
+    return _ATTR_HDR.pack(n, kind) + raw + b"\0" + _PADS[n % 4]
+
+
+_JUMP_HEAD: dict[int, bytes] = {}
+
+
+def _jump(chain: str) -> bytes:
+    """`immediate reg 0 jump -> CHAIN`: a template per name length, the name put in."""
+    raw = chain.encode()
+    n = len(raw)
+    head = _JUMP_HEAD.get(n)
+    if head is None:
+        full = _immediate_verdict(NFT_JUMP, "x" * n)
+        head = _JUMP_HEAD[n] = full[:len(full) - len(_sattr(2, raw)) + 4]
+    return head + raw + b"\0" + _PADS[(n + 5) % 4]
+
+
+_ONES = {4: b"\xff" * 4, 6: b"\xff" * 16}
+
+
+def _net(text: str, family: int) -> tuple[bytes, bytes]:
+    """(address & mask, mask) of an iptables address argument."""
+    if "/" not in text:
+        try:
+            return socket.inet_pton(socket.AF_INET if family == 4 else socket.AF_INET6, text), _ONES[family]
+        except OSError:
+            raise Unsupported(f"address {text!r} in an IPv{family} table") from None
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise Unsupported(f"network {text!r}") from None
+    if net.version != family:
+        raise Unsupported(f"network {text} in an IPv{family} table")
+    return net.network_address.packed, net.netmask.packed
+
+
+def _addr(offset: int, text: str, neg: bool, family: int) -> bytes:
+    """iptables-nft's add_addr: the prefix bytes alone when the mask is byte-aligned, else the
+    whole address through a bitwise mask; nothing for 0.0.0.0/0 (unless negated)."""
+    data, mask = _net(text, family)
+    if mask is _ONES[family]:
+        size = len(mask)
+        return _payload(1, offset, size) + _cmp(1 if neg else 0, data)
+    if not neg and not any(mask):
+        return b""
+    size = len(mask)
+    i = 0
+    while i < size and mask[i] == 0xFF:
+        i += 1
+    bitwise = i < size and (mask[i] != 0 or any(mask[i + 1:]))
+    op = 1 if neg else 0
+    if not bitwise:
+        return _payload(1, offset, i) + _cmp(op, data[:i])
+    bw = _expr("bitwise", _u32(1, 1), _u32(2, 1), _u32(3, size), _u32(6, 0), _value(4, mask), _value(5, bytes(size)))
+    return _payload(1, offset, size) + bw + _cmp(op, data)
+
+
+def _iface(key: int, name: str, neg: bool) -> bytes:
+    raw = name.encode()
+    if not raw or len(raw) > 15:
+        raise Unsupported(f"interface {name!r}")
+    data = raw[:-1] if raw.endswith(b"+") else raw + b"\0"
+    return _meta(key) + _cmp(1 if neg else 0, data)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise Unsupported(f"port {text!r}")
+    return int(text)
+
+
+def _number(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise Unsupported(f"number {text!r}") from None
+
+
+# ---------------------------------------------------------------- matches
+
+def _match(name: str, opts: dict[str, tuple[bool, str]], family: int, proto: int) -> bytes:
+    """One -m NAME with its options ({option: (negated, value)}), as iptables-nft encodes it."""
+    try:
+        return _match_of(name, opts, family, proto)
+    except KeyError as exc:
+        raise Unsupported(f"-m {name} without {exc}") from None
+
+
+def _match_of(name: str, opts: dict[str, tuple[bool, str]], family: int, proto: int) -> bytes:
+    if name == "comment":
+        return _comment(opts["--comment"][1])
+    if name in ("tcp", "udp"):
+        if not opts:
+            # no port: the xt match itself (spts 0:65535, dpts 0:65535, no flags)
+            return _xt("match", name, 0, struct.pack("=HHHH", 0, 0xFFFF, 0, 0xFFFF) + bytes(4))
+        if proto != PROTOS[name] or "--sport" in opts or opts["--dport"][0]:
+            raise Unsupported(f"-m {name} with {sorted(opts)}")
+        return _payload(2, 2, 2) + _cmp(0, struct.pack(">H", _port(opts["--dport"][1])))
+    if name == "sctp":
+        flags, dpts = 0, (0, 0)
+        if opts:
+            if "--sport" in opts or opts["--dport"][0]:
+                raise Unsupported(f"-m sctp with {sorted(opts)}")
+            port = _port(opts["--dport"][1])
+            flags, dpts = 2, (port, port)
+        return _xt("match", "sctp", 0, struct.pack("=HHHH", *dpts, 0, 0) + bytes(256) + bytes(4)
+                   + b"\xff\0\0" * 4 + struct.pack("=iII", 0, flags, 0))
+    if name == "conntrack":
+        neg, states = opts["--ctstate"]
+        mask = 0
+        for s in states.split(","):
+            if s not in CT_STATES:
+                raise Unsupported(f"conntrack state {s}")
+            mask |= CT_STATES[s]
+        # xt_conntrack_mtinfo3: addresses (128 bytes), expires, l4proto and ports, then the flags
+        # l4proto, four ports, match_flags (XT_CONNTRACK_STATE), invert_flags, state_mask, status_mask,
+        # four high ports, padding
+        info = bytes(136) + struct.pack("=13H", 0, 0, 0, 0, 0, 1, 1 if neg else 0, mask, 0, 0, 0, 0, 0) + bytes(2)
+        return _xt("match", "conntrack", 3, info)
+    if name == "mark":
+        neg, value = opts["--mark"]
+        mark, _, mask_text = value.partition("/")
+        m, k = _number(mark), _number(mask_text) if mask_text else 0xFFFFFFFF
+        bw = _expr("bitwise", _u32(1, 1), _u32(2, 1), _u32(3, 4), _u32(6, 0),
+                   _value(4, struct.pack("=I", k)), _value(5, bytes(4)))
+        return _meta(META_MARK) + bw + _cmp(1 if neg else 0, struct.pack("=I", m & k))
+    if name == "statistic":
+        if opts.get("--mode", (False, ""))[1] != "random" or any(n for n, _ in opts.values()):
+            raise Unsupported("-m statistic other than --mode random --probability")
+        try:
+            p = float(opts["--probability"][1])
+        except (KeyError, ValueError):
+            raise Unsupported("-m statistic without a probability") from None
+        if not 0.0 <= p <= 1.0:
+            raise Unsupported(f"probability {p}")
+        prob = int(0x80000000 * p + 0.5)      # libxt_statistic: lround(0x80000000 * p)
+        # mode, flags, every/probability, packet, count (= every - packet), the kernel's pointer
+        return _xt("match", "statistic", 0, struct.pack("=HHIIIQ", 0, 0, prob, 0, prob, 0))
+    if name == "recent":
+        if any(n for n, _ in opts.values()) or "--name" not in opts:
+            raise Unsupported("-m recent form")
+        check = (1 if "--rcheck" in opts else 0) | (2 if "--set" in opts else 0) | (32 if "--reap" in opts else 0)
+        if bin(check & 15).count("1") != 1:
+            raise Unsupported("-m recent needs exactly one of --rcheck, --set")
+        seconds = _number(opts["--seconds"][1]) if "--seconds" in opts else 0
+        raw = opts["--name"][1].encode()
+        if not raw or len(raw) > 199:
+            raise Unsupported("-m recent name")
+        # xt_recent_mtinfo_v1: seconds, hit_count, check_set, invert, name[200], side, mask (all ones)
+        info = struct.pack("=IIBB", seconds, 0, check, 0) + raw + bytes(200 - len(raw)) + b"\0\0" + b"\xff" * 16
+        return _xt("match", "recent", 1, info)
+    if name == "addrtype":
+        src = dst = flags = 0
+        for opt, (neg, value) in opts.items():
+            types = 0
+            for t in value.split(","):
+                if t not in ADDRTYPES:
+                    raise Unsupported(f"address type {t}")
+                types |= ADDRTYPES[t]
+            if opt == "--src-type":
+                src, flags = types, flags | (1 if neg else 0)
+            else:
+                dst, flags = types, flags | (2 if neg else 0)
+        return _xt("match", "addrtype", 1, struct.pack("=HHI", src, dst, flags))
+    raise Unsupported(f"-m {name}")
+
+
+# target names a jump slot must not take for a chain's
+_NOT_CHAINS = frozenset(VERDICTS) | frozenset(_TARGETS_WITH_OPTIONS) | _XT_TARGETS
+
+
+def _dnat(dest: str, family: int) -> bytes:
+    """-j DNAT --to-destination IP:PORT ([IP]:PORT for IPv6), revision 2 (nf_nat_range2)."""
+    if family == 6:
+        if not dest.startswith("[") or "]:" not in dest:
+            raise Unsupported(f"DNAT to {dest}")
+        host, _, port = dest[1:].partition("]:")
+    else:
+        host, _, port = dest.rpartition(":")
+    if "/" in host or not port:
+        raise Unsupported(f"DNAT to {dest}")
+    addr, _ = _net(host, family)
+    p = _port(port)
+    a = addr + bytes(16 - len(addr))
+    # flags, min/max address, min/max port, base port (then XT_ALIGN)
+    return _DNAT_HEAD + a + a + struct.pack(">HHH", p, p, 0) + bytes(6)
+
+
+# the DNAT target up to its nf_nat_range2's addresses
+_DNAT_HEAD = _xt("target", "DNAT", 2, struct.pack("=I", NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED) + bytes(44))[:-44]
+
+
+def _target(name: str, opts: dict[str, tuple[bool, str]], family: int) -> bytes:
+    try:
+        return _target_of(name, opts, family)
+    except KeyError as exc:
+        raise Unsupported(f"-j {name} without {exc}") from None
+
+
+def _target_of(name: str, opts: dict[str, tuple[bool, str]], family: int) -> bytes:
+    if name in VERDICTS and not opts:
+        return _immediate_verdict(VERDICTS[name], None)
+    if name == "DNAT":
+        if len(opts) != 1:
+            raise Unsupported("DNAT form")
+        return _dnat(opts["--to-destination"][1], family)
+    if name == "MARK":
+        if len(opts) != 1:
+            raise Unsupported("MARK form")
+        (opt, (neg, value)), = opts.items()
+        if neg:
+            raise Unsupported("MARK form")
+        if opt == "--or-mark":
+            v = _number(value)
+            mark, mask = v, v
+        elif opt == "--xor-mark":
+            mark, mask = _number(value), 0
+        else:
+            v_text, _, m_text = value.partition("/")
+            mark, mask = _number(v_text), _number(m_text) if m_text else 0xFFFFFFFF
+        return _xt("target", "MARK", 2, struct.pack("=II", mark, mask))
+    if name == "MASQUERADE":
+        flags = NF_NAT_RANGE_PROTO_RANDOM_FULLY if "--random-fully" in opts else 0
+        if family == 4:   # nf_nat_ipv4_multi_range_compat with one range
+            return _xt("target", "MASQUERADE", 0, struct.pack("=II", 1, flags) + bytes(12))
+        return _xt("target", "MASQUERADE", 0, struct.pack("=I", flags) + bytes(36))   # nf_nat_range
+    if name == "REJECT":
+        if opts:
+            raise Unsupported("REJECT --reject-with")
+        return _xt("target", "REJECT", 0, struct.pack("=I", REJECT_DEFAULT[family]))
+    if opts or not name or name.startswith("-") or name in _TARGETS_WITH_OPTIONS or name in _XT_TARGETS:
+        raise Unsupported(f"-j {name}")
+    return _jump(name)
+
+
+# ---------------------------------------------------------------- rules
+
+def _tokens(spec: str) -> list[str]:
+    if '"' not in spec:
+        return spec.split()
+    if "\\" in spec or "'" in spec or spec.count('"') % 2:
+        raise Unsupported("quoting")
+    out: list[str] = []
+    for i, part in enumerate(spec.split('"')):
+        if i % 2:
+            out.append(part)
+        else:
+            out += part.split()
+    return out
+
+
+def rule(spec: str, family: int) -> tuple[bytes, int]:
+    """The expressions (NFTA_RULE_EXPRESSIONS' content) and the protocol of one rule spec."""
+    pre, target, proto, _ = _parse(spec, family)
+    return pre + target, proto
+
+
+def _parse(spec: str, family: int) -> tuple[bytes, bytes, int, str]:
+    """(the expressions up to the target, counter included; the target's; the protocol; what the
+    spec's last token is: "jump" for a chain jumped to, "dnat" for a DNAT destination, else "").
+
+    As iptables' getopt: a --option belongs to the last -m (or -j) before it that has it,
+    wherever it stands (the text writes `-m tcp -p tcp -d IP --dport 80`)."""
+    toks = _tokens(spec)
+    n = len(toks)
+    i = 0
+    neg = False
+    iif = oif = src = dst = b""
+    proto = 0
+    proto_expr = b""
+    matches: list[tuple[str, dict[str, tuple[bool, str]]]] = []
+    target: tuple[str, dict[str, tuple[bool, str]]] | None = None
+    saddr, daddr = (12, 16) if family == 4 else (8, 24)
+    while i < n:
+        t = toks[i]
+        i += 1
+        if t == "!":
+            if neg:
+                raise Unsupported("double negation")
+            neg = True
+            continue
+        if t.startswith("--"):
+            owner = None
+            if target is not None and t in _ARITY.get(target[0], ()):
+                owner = target
+            else:
+                for m in reversed(matches):
+                    if t in _ARITY.get(m[0], ()):
+                        owner = m
+                        break
+            if owner is None or t in owner[1]:
+                raise Unsupported(f"option {t}")
+            if _ARITY[owner[0]][t]:
+                if i >= n:
+                    raise Unsupported(f"{t} without a value")
+                owner[1][t] = (neg, toks[i])
+                i += 1
+            else:
+                owner[1][t] = (neg, "")
+            neg = False
+            continue
+        if i >= n:
+            raise Unsupported(f"option {t} without a value")
+        value = toks[i]
+        i += 1
+        if t == "-m":
+            if neg or value not in _ARITY or target is not None:
+                raise Unsupported(f"-m {value}")
+            matches.append((value, {}))
+        elif t == "-j":
+            if neg or target is not None:
+                raise Unsupported(f"-j {value}")
+            target = (value, {})
+        elif t == "-p":
+            if proto or value not in PROTOS:
+                raise Unsupported(f"-p {value}")
+            proto = PROTOS[value]
+            proto_expr = _L4 + _cmp(1 if neg else 0, bytes((proto,)))
+        elif t == "-s":
+            src = _addr(saddr, value, neg, family)
+        elif t == "-d":
+            dst = _addr(daddr, value, neg, family)
+        elif t == "-i":
+            iif = _iface(META_IIFNAME, value, neg)
+        elif t == "-o":
+            oif = _iface(META_OIFNAME, value, neg)
+        else:
+            raise Unsupported(f"option {t}")
+        neg = False
+    if neg:
+        raise Unsupported("trailing !")
+    parts = [iif, oif, proto_expr, src, dst]
+    for name, opts in matches:
+        parts.append(_match(name, opts, family, proto))
+    parts.append(COUNTER)
+    slot = ""
+    tail = b""
+    if target is not None:
+        tail = _target(target[0], target[1], family)
+        if n >= 2 and toks[-2] == "-j" and target[0] == toks[-1] and target[0] not in VERDICTS:
+            slot = "jump"
+        elif n >= 2 and toks[-2] == "--to-destination" and target[0] == "DNAT" and len(target[1]) == 1:
+            slot = "dnat"
+    return b"".join(parts), tail, proto, slot
+
+
+# ---------------------------------------------------------------- the batch
+
+def chains(family: int, netns: str | None = None) -> dict[str, dict[str, bool]]:
+    """The kernel's chains of a family's tables: table -> chain -> is a base chain."""
+    out: dict[str, dict[str, bool]] = {}
+    for m in nflink.dump(GETCHAIN, family, b"", netns=netns):
+        if 1 in m and 3 in m:
+            table = m[1][0].rstrip(b"\0").decode()
+            out.setdefault(table, {})[m[3][0].rstrip(b"\0").decode()] = 4 in m
+    return out
+
+
+def tables(family: int, netns: str | None = None) -> set[str]:
+    return set(nflink.table_names(family, netns=netns))
+
+
+_NLHDR = struct.Struct("=IHHII")
+_REQUEST = 1
+_MSG = {k: (nflink.NFNL_SUBSYS_NFTABLES << 8) | k for k in (NEWTABLE, NEWCHAIN, DELCHAIN, NEWRULE, DELRULE)}
+
+
+NFNL_BATCH_GENID = 1
+
+
+class _Writer(_Batch):
+    """nflink's batch, with one message written in place per call (a full load is 430,000).
+    With `genid` the kernel refuses it (ERESTART) when the ruleset changed since that
+    generation, as iptables-nft's batches: the chains it was encoded against are stale."""
+
+    def __init__(self, genid: int = 0) -> None:
+        super().__init__()
+        if genid:
+            begin = nflink._BATCH_GEN + _ATTR_HDR.pack(8, NFNL_BATCH_GENID) + struct.pack(">I", genid)
+            self.pieces[0][:len(begin) + 16] = _NLHDR.pack(16 + len(begin), nflink.NFNL_MSG_BATCH_BEGIN,
+                                                          _REQUEST, 0, 0) + begin
+            self.fills[0] = 16 + len(begin)
+
+    def msg(self, kind: int, flags: int, body: bytes, line: int) -> None:
+        size = 16 + len(body)
+        piece = self.pieces[-1]
+        at = self.fills[-1]
+        if at + size > len(piece):
+            piece = bytearray(max(nflink._PIECE, size))
+            self.pieces.append(piece)
+            self.fills.append(0)
+            at = 0
+        _NLHDR.pack_into(piece, at, size, _MSG[kind], _REQUEST | flags, 0, 0)
+        piece[at + 16:at + size] = body
+        self.fills[-1] = at + size
+        self.offsets.append((len(self.pieces) - 1) << 32 | at)
+        self.lines.append(line)
+
+
+def encode(text: str, family: int, present: dict[str, dict[str, bool]],
+           skip_delete: frozenset[tuple[str, str]] = frozenset(), genid: int = 0) -> tuple[_Batch, list[str]]:
+    """The batch for one iptables-restore --noflush text, given the kernel's chains (`chains`);
+    (the batch, the text's lines: message i came from line batch.lines[i]). `skip_delete`:
+    (table, chain) whose -X is left out (kept, flushed). `genid`: the generation `present`
+    was read at (0: none)."""
+    nfproto = nflink._nfproto(family)
+    hdr = _fam_hdr(nfproto)
+    batch = _Writer(genid)
+    msg = batch.msg
+    lines = text.split("\n")
+    table = ""
+    t_attr = b""
+    have: set[str] = set()       # the table's chains, in the kernel or made by this batch
+    bases: dict[str, tuple[int, int, str]] = {}
+    compat: dict[int, bytes] = {}
+    # rules differing only in the chain they jump to or where they DNAT to (the endpoint chains'
+    # rules) share everything before it; rules `-s ADDR REST` share REST's expressions
+    heads: dict[str, tuple[bytes, int, str]] = {}
+    rests: dict[str, tuple[bytes, int]] = {}
+    last_chain = ""
+    c_attr = b""
+    pack_hdr = _ATTR_HDR.pack
+    exprs_kind = 4 | nflink.NLA_F_NESTED
+    saddr = 12 if family == 4 else 8
+    for no, line in enumerate(lines):
+        if not line or line[0] == "#":
+            continue
+        c = line[0]
+        if c == "-" and line[1] in "AI" and line[2] == " ":
+            if not table:
+                raise Unsupported("a rule outside a table")
+            sp = line.find(" ", 3)
+            chain = line[3:sp] if sp > 0 else line[3:]
+            if chain != last_chain:
+                if chain in bases and chain not in have:
+                    hook, prio, ctype = bases[chain]
+                    msg(NEWCHAIN, NLM_F_CREATE, hdr + t_attr + _str(3, chain)
+                        + _nest(4, _u32(1, hook), _u32(2, prio & 0xFFFFFFFF)) + _u32(5, 1) + _str(7, ctype), no)
+                    have.add(chain)
+                elif chain not in have:
+                    raise Unsupported(f"chain {chain} neither declared nor in the kernel")
+                last_chain = chain
+                c_attr = hdr + t_attr + _sattr(2, chain.encode())
+            spec = line[sp + 1:] if sp > 0 else ""
+            head, _, last = spec.rpartition(" ")
+            hit = heads.get(head)
+            if hit is not None and (hit[2] == "dnat" or last not in _NOT_CHAINS):
+                pre, proto, slot = hit
+                exprs = pre + (_jump(last) if slot == "jump" else _dnat(last, family))
+            elif spec.startswith("-s ") and (sp2 := spec.find(" ", 3)) > 0 and spec[sp2 + 1:] in rests:
+                tail, proto = rests[spec[sp2 + 1:]]
+                exprs = _addr(saddr, spec[3:sp2], False, family) + tail
+            else:
+                pre, tail, proto, slot = _parse(spec, family)
+                exprs = pre + tail
+                if slot:
+                    if len(heads) >= 4096:
+                        heads.clear()
+                    heads[head] = (pre, proto, slot)
+                elif spec.startswith("-s ") and (sp2 := spec.find(" ", 3)) > 0:
+                    rest = spec[sp2 + 1:]
+                    r_pre, r_tail, r_proto, _ = _parse(rest, family)
+                    # only when the address is the rule's first expression (REST has no -i, -o, -p)
+                    src = _addr(saddr, spec[3:sp2], False, family)
+                    if src and src + r_pre + r_tail == exprs:
+                        if len(rests) >= 4096:
+                            rests.clear()
+                        rests[rest] = (r_pre + r_tail, r_proto)
+            ca = compat.get(proto)
+            if ca is None:
+                ca = compat[proto] = _nest(5, _u32(1, proto), _u32(2, 0))
+            msg(NEWRULE, NLM_F_CREATE | (NLM_F_APPEND if line[1] == "A" else 0),
+                c_attr + pack_hdr(4 + len(exprs), exprs_kind) + exprs + ca, no)
+        elif c == ":":
+            if not table:
+                raise Unsupported("a chain outside a table")
+            name, _, rest = line[1:].partition(" ")
+            if name in bases or not rest.startswith("- ") or not name:
+                raise Unsupported(f"declaration {line!r}")
+            if name in have:
+                msg(DELRULE, 0, hdr + t_attr + _sattr(2, name.encode()), no)        # flush
+            else:
+                msg(NEWCHAIN, NLM_F_CREATE, hdr + t_attr + _sattr(3, name.encode()), no)
+                have.add(name)
+        elif c == "*":
+            if table:
+                raise Unsupported("a table without COMMIT")
+            table = line[1:].strip()
+            if table not in BASE_CHAINS:
+                raise Unsupported(f"table {table}")
+            t_attr = _str(1, table)
+            have = set(present.get(table, ()))
+            bases = BASE_CHAINS[table]
+            last_chain = ""
+            if table not in present:
+                msg(NEWTABLE, NLM_F_CREATE, hdr + t_attr, no)
+                present = {**present, table: {}}
+        elif line == "COMMIT":
+            if not table:
+                raise Unsupported("COMMIT outside a table")
+            present = {**present, table: dict.fromkeys(have, False)}
+            table = ""
+        elif line == "-S":
+            continue      # the listing iptables-nft-restore needs (apply.whole_table_cache)
+        elif line.startswith("-X "):
+            name = line[3:].strip()
+            if not table or name in bases or " " in name:
+                raise Unsupported(f"line {line!r}")
+            if (table, name) in skip_delete:
+                continue
+            msg(DELCHAIN, 0, hdr + t_attr + _str(3, name), no)
+            have.discard(name)
+            last_chain = ""
+        else:
+            raise Unsupported(f"line {line!r}")
+    if table:
+        raise Unsupported("a table without COMMIT")
+    return batch, lines
+
+
+ENOENT, EBUSY, ERESTART = 2, 16, 85
+
+
+def _genid(netns: str | None) -> int:
+    """The ruleset's generation now (NFT_MSG_GETGEN)."""
+    link = nflink._link(netns)
+    with link.lock:
+        seq = link.seq
+        link.seq += 1
+        try:
+            link.sock.send(nflink._message((nflink.NFNL_SUBSYS_NFTABLES << 8) | nflink.GETGEN, 1, seq,
+                                           _fam_hdr(0)))
+            while True:
+                reply = link.sock.recv(65536)
+                pos = 0
+                while pos + 16 <= len(reply):
+                    length, kind, _flags, rseq, _pid = _NLHDR.unpack_from(reply, pos)
+                    if length < 16:
+                        break
+                    if rseq == seq:
+                        if kind == nflink.NLMSG_ERROR:
+                            (err,) = struct.unpack_from("=i", reply, pos + 16)
+                            raise NflinkError(f"nftables getgen: errno {-err}", -err)
+                        got = nflink.attrs(reply[pos + 20:pos + length]).get(1)
+                        return struct.unpack(">I", got[0][:4])[0] if got else 0
+                    pos += (length + 3) & ~3
+        except OSError as exc:
+            nflink._forget(netns, link)
+            raise nflink._TransportError(f"netlink getgen failed: {exc}") from None
+
+
+def apply(text: str, family: int = 4, *, netns: str | None = None) -> list[tuple[str, str]]:
+    """Load one restore text as a single transaction, encoded against the kernel's chains of
+    this moment (a change in between makes the kernel refuse it; it is encoded again).
+
+    A `-X` the kernel refuses because the chain is still referenced from outside the text
+    (another component's rule jumps to it) or is already gone is left out and the text sent
+    again: the chain stays, flushed, and everything else goes in. Returns those (table, chain).
+    NflinkError for any other refusal (nothing applied); Unsupported before anything is sent."""
+    skipped: frozenset[tuple[str, str]] = frozenset()
+    for attempt in range(4):
+        genid = _genid(netns)
+        present = chains(family, netns)
+        batch, lines = encode(text, family, present, skipped, genid)
+        del present
+        if not len(batch):
+            return sorted(skipped)
+        link = nflink._link(netns)
+        with link.lock:
+            try:
+                nflink._send(link, batch, lambda i: lines[i])
+                return sorted(skipped)
+            except nflink._TransportError:
+                nflink._forget(netns, link)
+                raise
+            except NflinkError as exc:
+                del batch
+                if attempt == 3:
+                    raise
+                if any(errno == ERESTART for _, errno in exc.failures) or exc.errno == ERESTART:
+                    continue        # the ruleset changed under us: read it again
+                refused = _refused_deletes(lines, exc.failures)
+                if not refused or len(refused) != len(exc.failures):
+                    raise
+                log.warning("iptables IPv%d: %s still referenced from outside our rules (or already gone): "
+                            "kept, flushed", family, ", ".join(f"{t}/{c}" for t, c in sorted(refused)))
+                skipped = skipped | refused
+    raise AssertionError("unreachable")
+
+
+def _refused_deletes(lines: list[str], failures: list[tuple[int, int]]) -> frozenset[tuple[str, str]]:
+    out = set()
+    for line_no, errno in failures:
+        line = lines[line_no] if 0 <= line_no < len(lines) else ""
+        if line.startswith("-X ") and errno in (EBUSY, ENOENT):
+            table = next((lines[k][1:].strip() for k in range(line_no, -1, -1) if lines[k].startswith("*")), "")
+            out.add((table, line[3:].strip()))
+    return frozenset(out)
+
+
+__all__ = ["NflinkError", "Unsupported", "apply", "chains", "encode", "rule"]
