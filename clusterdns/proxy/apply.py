@@ -103,6 +103,20 @@ def _check(res: Result) -> Result:
     return res
 
 
+def netlink_netns(runner: CommandRunner) -> "str | None | Literal[False]":
+    """Where netlink batches may go for this runner: None (this process's namespace), a
+    namespace name (a runner prefixed `ip netns exec NAME`), or False (a fake or other
+    runner: never touch the kernel behind its back)."""
+    if not isinstance(runner, SubprocessRunner):
+        return False
+    p = runner.prefix
+    if not p:
+        return None
+    if len(p) == 4 and p[:3] == ("ip", "netns", "exec"):
+        return p[3]
+    return False
+
+
 # ---------------------------------------------------------------- iptables
 
 def whole_table_cache(text: str, min_chains: int = WHOLE_TABLE_FROM) -> str:
@@ -171,6 +185,13 @@ class IptablesExecutor:
         # full texts on iptables-nft go in through whole_table_cache (off: plain --noflush, for
         # comparing the two)
         self.list_tables = True
+        # ... or, where the runner allows, as one nfnetlink batch of the objects iptables-nft
+        # would make (proxy/iptnl.py; off: the tool)
+        self.netlink = True
+        self.last_path = ""          # how the last restore went in: "netlink" or the tool
+        # (table, chain) a full text deletes that the kernel kept, still referenced by
+        # another component's rule (the netlink path goes on without deleting them)
+        self.kept: list[tuple[str, str]] = []
 
     def tool(self, name: str) -> str:
         base = "iptables" if self.family == 4 else "ip6tables"
@@ -211,6 +232,20 @@ class IptablesExecutor:
         backend it goes in through whole_table_cache. listed: the text already lists the big
         tables that way (iptables.render(listing=True)). A listing's output goes to /dev/null."""
         await self.detect_backend()
+        if full and self.backend == "nft" and self.netlink:
+            netns = netlink_netns(self.runner)
+            if netns is not False:
+                from . import iptnl
+                try:
+                    # (in a thread: encoding 430,000 rules at 10,000 Services takes seconds)
+                    self.kept = await asyncio.to_thread(iptnl.apply, text, self.family, netns=netns)
+                    self.last_path = "netlink"
+                    return
+                except iptnl.Unsupported as exc:
+                    log.debug("iptables IPv%d: %s; restoring with the tool", self.family, exc)
+                except (iptnl.NflinkError, OSError) as exc:
+                    raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
+        self.last_path = self.tool("restore")
         argv = [self.tool("restore"), "-w", "5", "--noflush", "--counters"]
         if full and self.backend == "nft" and self.list_tables and not listed:
             # (in a thread: 430,000 lines at 10,000 Services, while the event loop answers DNS)
@@ -279,17 +314,7 @@ class NftExecutor:
 
     @property
     def netlink_netns(self) -> "str | None | Literal[False]":
-        """Where netlink batches may go: None (this process's namespace), a
-        namespace name (a runner prefixed `ip netns exec NAME`), or False (a
-        fake or other runner: never touch the kernel behind its back)."""
-        if not isinstance(self.runner, SubprocessRunner):
-            return False
-        p = self.runner.prefix
-        if not p:
-            return None
-        if len(p) == 4 and p[:3] == ("ip", "netns", "exec"):
-            return p[3]
-        return False
+        return netlink_netns(self.runner)
 
     async def apply_small(self, text: str | Callable[[], str], ops=()) -> str:
         """An incremental transaction: over nfnetlink when every operation (`ops`, the

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 GETCHAIN = 4
 NFT_JUMP, NFT_RETURN = -3, -5
 VERDICTS = {"ACCEPT": 1, "DROP": 0, "RETURN": NFT_RETURN}
-PROTOS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "icmpv6": 58}
+PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
 META_MARK, META_IIFNAME, META_OIFNAME, META_L4PROTO = 3, 6, 7, 16
 
 # iptables-nft's built-in chains: table -> chain -> (hook, priority, type)
@@ -78,7 +78,7 @@ _ARITY = {
     "conntrack": {"--ctstate": 1},
     "mark": {"--mark": 1},
     "statistic": {"--mode": 1, "--probability": 1},
-    "recent": {"--name": 1, "--rcheck": 0, "--set": 0, "--reap": 0, "--seconds": 1, "--rsource": 0},
+    "recent": {"--name": 1, "--rcheck": 0, "--set": 0, "--reap": 0, "--seconds": 1},
     "addrtype": {"--src-type": 1, "--dst-type": 1},
     "DNAT": {"--to-destination": 1},
     "MARK": {"--or-mark": 1, "--xor-mark": 1, "--set-xmark": 1},
@@ -279,7 +279,9 @@ def _match_of(name: str, opts: dict[str, tuple[bool, str]], family: int, proto: 
     if name == "mark":
         neg, value = opts["--mark"]
         mark, _, mask_text = value.partition("/")
-        m, k = _number(mark), _number(mask_text) if mask_text else 0xFFFFFFFF
+        if not mask_text:
+            raise Unsupported("-m mark without a mask")
+        m, k = _number(mark), _number(mask_text)
         bw = _expr("bitwise", _u32(1, 1), _u32(2, 1), _u32(3, 4), _u32(6, 0),
                    _value(4, struct.pack("=I", k)), _value(5, bytes(4)))
         return _meta(META_MARK) + bw + _cmp(1 if neg else 0, struct.pack("=I", m & k))
@@ -324,6 +326,7 @@ def _match_of(name: str, opts: dict[str, tuple[bool, str]], family: int, proto: 
     raise Unsupported(f"-m {name}")
 
 
+_DROP = _immediate_verdict(VERDICTS["DROP"], None)
 # target names a jump slot must not take for a chain's
 _NOT_CHAINS = frozenset(VERDICTS) | frozenset(_TARGETS_WITH_OPTIONS) | _XT_TARGETS
 
@@ -376,7 +379,9 @@ def _target_of(name: str, opts: dict[str, tuple[bool, str]], family: int) -> byt
             mark, mask = _number(value), 0
         else:
             v_text, _, m_text = value.partition("/")
-            mark, mask = _number(v_text), _number(m_text) if m_text else 0xFFFFFFFF
+            if not m_text:
+                raise Unsupported("--set-xmark without a mask")
+            mark, mask = _number(v_text), _number(m_text)
         return _xt("target", "MARK", 2, struct.pack("=II", mark, mask))
     if name == "MASQUERADE":
         flags = NF_NAT_RANGE_PROTO_RANDOM_FULLY if "--random-fully" in opts else 0
@@ -515,10 +520,6 @@ def chains(family: int, netns: str | None = None) -> dict[str, dict[str, bool]]:
     return out
 
 
-def tables(family: int, netns: str | None = None) -> set[str]:
-    return set(nflink.table_names(family, netns=netns))
-
-
 _NLHDR = struct.Struct("=IHHII")
 _REQUEST = 1
 _MSG = {k: (nflink.NFNL_SUBSYS_NFTABLES << 8) | k for k in (NEWTABLE, NEWCHAIN, DELCHAIN, NEWRULE, DELRULE)}
@@ -611,6 +612,8 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
                 exprs = _addr(saddr, spec[3:sp2], False, family) + tail
             else:
                 pre, tail, proto, slot = _parse(spec, family)
+                if tail == _DROP and table == "nat":
+                    raise Unsupported("DROP in the nat table (iptables refuses it)")
                 exprs = pre + tail
                 if slot:
                     if len(heads) >= 4096:
@@ -634,7 +637,7 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
             if not table:
                 raise Unsupported("a chain outside a table")
             name, _, rest = line[1:].partition(" ")
-            if name in bases or not rest.startswith("- ") or not name:
+            if name in bases or not rest.startswith("- ") or not name or len(name) > 28 or name[0] in "-!":
                 raise Unsupported(f"declaration {line!r}")
             if name in have:
                 msg(DELRULE, 0, hdr + t_attr + _sattr(2, name.encode()), no)        # flush

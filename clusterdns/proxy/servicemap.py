@@ -111,7 +111,9 @@ class ServicePortInfo:
 
     @property
     def uses_cluster_endpoints(self) -> bool:
-        return not self.internal_local or (self.externally_accessible and not self.external_local)
+        # kube-proxy's: external traffic needs the Cluster endpoints even with
+        # externalTrafficPolicy Local (pods' and the node's own traffic is short-circuited to them)
+        return not self.internal_local or self.externally_accessible
 
     @property
     def uses_local_endpoints(self) -> bool:

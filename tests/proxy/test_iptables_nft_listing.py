@@ -1,4 +1,5 @@
-"""iptables mode on the nf_tables backend at scale: full syncs go in with a `-S` line that makes
+"""iptables mode on the nf_tables backend at scale, where the tool loads a full sync (netlink
+off, or a text iptnl does not encode): full syncs go in with a `-S` line that makes
 iptables-nft-restore fetch the whole table instead of building its quadratic chain list
 (apply.whole_table_cache). What the kernel holds afterwards must be exactly what plain
 `iptables-nft-restore --noflush` of the same text leaves, other components' chains and rules
@@ -127,10 +128,10 @@ def test_full_syncs_leave_what_plain_noflush_leaves_and_keep_others_rules(namesp
         sh("iptables-nft", "-P", "FORWARD", "DROP", ns=ns)
     foreign = save(ours)
     ipt = IptablesBackend(SubprocessRunner(prefix=("ip", "netns", "exec", ours)), CFG, 4)
-    ipt.exe.backend = "nft"
+    ipt.exe.backend, ipt.exe.netlink = "nft", False   # the tool, listed (netlink: test_iptnl.py)
     # the same proxier on plain `iptables-nft-restore --noflush` of the texts kube-proxy would write
     ref = IptablesBackend(SubprocessRunner(prefix=("ip", "netns", "exec", plain)), CFG, 4)
-    ref.exe.backend, ref.exe.list_tables = "nft", False
+    ref.exe.backend, ref.exe.list_tables, ref.exe.netlink = "nft", False, False
     restores: list[str] = []
     real = SubprocessRunner.run
 
@@ -195,7 +196,7 @@ def test_traffic_reaches_the_backend_after_a_listed_full_sync(namespaces):
                                                 (Endpoint(("10.161.200.10",), node_name="node-a"),),
                                                 (EndpointPort("http", "TCP", 8080),))))
     ipt = IptablesBackend(SubprocessRunner(prefix=("ip", "netns", "exec", node)), CFG, 4)
-    ipt.exe.backend = "nft"
+    ipt.exe.backend, ipt.exe.netlink = "nft", False
     asyncio.run(_full(ipt, state_from_records(recs)))
     assert ipt.previous is not None and ipt.previous.listed   # the text went in listed
     got = connect(node, "tcp", "10.96.9.9", 80, 3)

@@ -102,6 +102,27 @@ def test_local_policy_lists():
     assert cat.local == ()
 
 
+def test_both_policies_local_still_use_cluster_endpoints_when_externally_accessible():
+    """kube-proxy's UsesClusterEndpoints: the external chain sends pods' and the node's own traffic
+    to the Cluster chain even with both policies Local, so that chain must exist (without it the
+    whole iptables restore is refused)."""
+    from clusterdns.proxy import iptables, iptsave
+    svc = Service("ns1", "svc1", "NodePort", ("172.30.0.41",), ports=(ServicePort("p80", "TCP", 80, 30001),),
+                  external_local=True, internal_local=True)
+    st = _state(Endpoint(("10.0.0.1",), node_name="node-a"), Endpoint(("10.0.0.2",), node_name="node-b"), service=svc)
+    [(info, cat)] = service_ports(st, CFG, 4)
+    assert info.uses_cluster_endpoints and info.uses_local_endpoints
+    assert [e.ip for e in cat.cluster] == ["10.0.0.1", "10.0.0.2"] and [e.ip for e in cat.local] == ["10.0.0.1"]
+    nat = iptsave.read(iptables.render(st, CFG, 4).text)["nat"]
+    jumped = {iptsave.target(r.spec) for r in nat.rules}
+    assert {c for c in jumped if c.startswith("KUBE-")} <= set(nat.chains)
+    # without external access the Cluster endpoints are not used
+    internal = Service("ns1", "svc1", cluster_ips=("172.30.0.41",), ports=(ServicePort("p80", "TCP", 80),),
+                       internal_local=True)
+    [(info, _)] = service_ports(_state(Endpoint(("10.0.0.1",), node_name="node-a"), service=internal), CFG, 4)
+    assert not info.uses_cluster_endpoints
+
+
 def test_external_local_needs_external_access():
     svc = Service("ns1", "svc1", cluster_ips=("172.30.0.41",), ports=(ServicePort("p80", "TCP", 80),),
                   external_local=True)
