@@ -11,15 +11,18 @@ fresh scratch network namespace, whole processes as the proxier runs them:
             (kube-proxy's call; quadratic, so only up to --plain-limit Services)
 - flush:    the same without --noflush (what the tool costs when it may flush the tables;
             not usable by a proxier, it would wipe other components' rules)
-- listed:   the text as the proxier now sends it on nf_tables (apply.whole_table_cache:
+- listed:   the text as the tool gets it when netlink is off (apply.whole_table_cache:
             a `-S` line first in the nat table), cold (empty namespace) and warm (the
             same again on the filled tables: a periodic full sync)
-- sync:     the proxier's whole first full sync (iptables-save, render, restore) through
+- netlink:  the same text as the proxier now sends it on nf_tables: one nfnetlink batch of
+            the objects iptables-nft makes (proxy/iptnl.py: read the chains, encode, send),
+            in this process, cold and warm ("nl-warm")
+- sync:     the proxier's whole first full sync (iptables-save, render, netlink) through
             IptablesBackend, in this process, into an empty namespace
 - legacy:   iptables-legacy-restore --noflush of the printed text (with --legacy)
 
-Prints medians of --runs runs (plain: one run per size, it is slow). 2 shared cores:
-expect tens of percent of noise.
+Prints medians of --runs runs (plain: one run per size, it is slow), and the load average
+at the start and end of each size. 2 shared cores: expect tens of percent of noise.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from clusterdns.config import load  # noqa: E402
+from clusterdns.proxy import iptnl  # noqa: E402
 from clusterdns.proxy.apply import SubprocessRunner, whole_table_cache  # noqa: E402
 from clusterdns.proxy.proxier import IptablesBackend  # noqa: E402
 from clusterdns.sources.manifest import publish  # noqa: E402
@@ -79,8 +83,8 @@ def main() -> None:
     ns = f"ipt-nft-bench-{os.getpid()}"
     tool = ["iptables-nft-restore", "-w", "5", "--noflush", "--counters"]
     cfg = load(["proxy", *NODE, "--apply"], env={})
-    print(f"{'services':>8} {'lines':>7} {'plain':>8} {'flush':>7} {'listed':>7} {'warm':>7} {'sync':>7}"
-          + (f" {'legacy':>7}" if args.legacy else ""))
+    print(f"{'services':>8} {'lines':>7} {'plain':>8} {'flush':>7} {'listed':>7} {'warm':>7} {'netlink':>7} "
+          f"{'nl-warm':>7} {'sync':>7}" + (f" {'legacy':>7}" if args.legacy else "") + "  load average")
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             records = synthetic_records(services=size, endpoints=args.endpoints)
@@ -93,7 +97,9 @@ def main() -> None:
             finally:
                 os.unlink(fh.name)
             listed = whole_table_cache(text)
-            r: dict[str, list[float]] = {k: [] for k in ("plain", "flush", "listed", "warm", "sync", "legacy")}
+            r: dict[str, list[float]] = {k: [] for k in ("plain", "flush", "listed", "warm", "netlink", "nl-warm",
+                                                         "sync", "legacy")}
+            load0 = os.getloadavg()[0]
             if size <= args.plain_limit:
                 netns(ns)
                 r["plain"].append(timed_restore(ns, tool, text, args.timeout))
@@ -106,6 +112,11 @@ def main() -> None:
                 netns(ns)
                 r["listed"].append(timed_restore(ns, tool, listed, args.timeout))
                 r["warm"].append(timed_restore(ns, tool, listed, args.timeout))
+                netns(ns)
+                for key in ("netlink", "nl-warm"):
+                    t0 = time.perf_counter()
+                    iptnl.apply(text, 4, netns=ns)
+                    r[key].append(time.perf_counter() - t0)
                 netns(ns)
                 backend = IptablesBackend(SubprocessRunner(("ip", "netns", "exec", ns)), cfg, 4)
                 backend.exe.backend = "nft"
@@ -121,7 +132,9 @@ def main() -> None:
                 v = med(r[k])
                 return "-" if v != v else (">%.0f" % args.timeout if v == float("inf") else f"{v:.2f}")
             print(f"{size:>8} {text.count(chr(10)):>7} {f('plain'):>8} {f('flush'):>7} {f('listed'):>7} "
-                  f"{f('warm'):>7} {f('sync'):>7}" + (f" {f('legacy'):>7}" if args.legacy else ""), flush=True)
+                  f"{f('warm'):>7} {f('netlink'):>7} {f('nl-warm'):>7} {f('sync'):>7}"
+                  + (f" {f('legacy'):>7}" if args.legacy else "")
+                  + f"  {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 

@@ -208,14 +208,16 @@ class IptablesBackend:
             for table, chain, spec in missing:
                 await self.exe.insert(table, chain, spec)
         self.large = rs.large_cluster
-        if full and not self.warned and self.exe.backend == "nft" and len(rs.tops) >= NFT_BACKEND_WARN:
+        # (full texts go in over netlink where they can: the tool is only the fallback)
+        if full and not self.warned and self.exe.backend == "nft" and self.exe.last_path != "netlink" \
+                and len(rs.tops) >= NFT_BACKEND_WARN:
             self.warned = True
             log.warning(
-                "iptables mode on the nf_tables backend (iptables-nft) with %d Services (IPv%d): every "
-                "full restore (start, each --sync-period, after a failure) takes seconds here, growing "
-                "faster than the Services (iptables-nft looks chains up in a hash of 512 buckets; "
-                "measured with 10 endpoints each: 1,000 ~1.7 s, 10,000 ~15-30 s). --proxy-mode nftables "
-                "programs the same Services in a fraction of it.", len(rs.tops), self.family)
+                "iptables mode on the nf_tables backend (iptables-nft) with %d Services (IPv%d), full "
+                "restores through iptables-nft-restore: each (start, each --sync-period, after a failure) "
+                "takes seconds here, growing faster than the Services (iptables-nft looks chains up in a "
+                "hash of 512 buckets; measured with 10 endpoints each: 1,000 ~1.7 s, 10,000 ~15-30 s). "
+                "--proxy-mode nftables programs the same Services in a fraction of it.", len(rs.tops), self.family)
         if full:
             self.kept = {t: set(c) for t, c in rs.chains.items()}
             self.wanted_jumps = set(iptables.jump_rules(self.cfg, self.family))

@@ -277,14 +277,15 @@ def test_rules_sharing_a_head_keep_their_own_targets():
             "-A A -s 10.0.0.4 -p tcp -j B\nCOMMIT\n"
             "*nat\n:C - [0:0]\n-A C -m tcp -p tcp -j DNAT --to-destination 10.1.0.1:80\n"
             "-A C -m tcp -p tcp -j DNAT --to-destination 10.1.0.2:81\n-A C -j MASQUERADE\nCOMMIT\n")
-    batch, lines = iptnl.encode(text, 4, {"filter": {}, "nat": {}})
+    batch = iptnl.encode(text, 4, {"filter": {}, "nat": {}})
     rules = 0
-    for place, line in zip(batch.offsets, batch.lines):
+    for place, offset in zip(batch.offsets, batch.lines):
         piece, at = batch.pieces[place >> 32], place & 0xFFFFFFFF
         length = int.from_bytes(piece[at:at + 4], "little")
-        if lines[line].startswith("-A "):
+        line = iptnl.line_at(text, offset)
+        if line.startswith("-A "):
             body = nflink.attrs(bytes(piece[at + 20:at + length]))
-            assert body[4][0] == iptnl.rule(lines[line].split(" ", 2)[2], 4)[0], lines[line]
+            assert body[4][0] == iptnl.rule(line.split(" ", 2)[2], 4)[0], line
             rules += 1
     assert rules == text.count("-A ")
 
