@@ -123,4 +123,4 @@ def test_daemonset_mounts_the_clusters_own_dns_configmaps(tmp_path):
         corefile.write_text(fh.read())
     cf, cfg = prepare(Config.from_options("agent", corefile=str(corefile), local_ips=("10.96.0.10",)))
     assert cfg.agent.health_listen == "0.0.0.0:8080" and cfg.agent.ready_listen == "0.0.0.0:8181"
-    assert cfg.listen_addresses() == [("0.0.0.0", 53)]
+    assert cfg.listen_addresses() == [("0.0.0.0", 53), ("::", 53)]     # no bind: every address, both families
