@@ -58,3 +58,29 @@ def shown_eps(view, name: str, namespace: str = "ns") -> list[str]:
     """The ready endpoint addresses a DnsView shows for a Service."""
     return sorted(a for sl in view.current.slices_for(namespace, name) for e in sl.endpoints if e.ready
                   for a in e.addresses)
+
+
+def endpoint_slots(items) -> list[str]:
+    """nftables endpoint-map elements ("lo-hi : ip . port") as each slot's ranges and its
+    endpoints apart: which endpoint holds which of its slot's shares depends on the changes
+    that led there (a replaced endpoint takes the share of the one it replaces), not on the
+    state alone."""
+    ranges: dict[int, list[str]] = {}
+    data: dict[int, list[str]] = {}
+    for item in items:
+        key, _, value = item.partition(" : ")
+        slot = int(key.split("-")[0]) // 65536
+        ranges.setdefault(slot, []).append(key)
+        data.setdefault(slot, []).append(value)
+    return sorted(f"slot {slot}: {sorted(ranges[slot])} {sorted(data[slot])}" for slot in ranges)
+
+
+def nft_elements(state) -> dict:
+    """An NftState's elements per set, the endpoint maps' as endpoint_slots."""
+    out = {}
+    for name, elems in state.elements.items():
+        if name.startswith("endpoints-"):
+            out[name] = endpoint_slots(e[2] for e in elems.values())
+        else:
+            out[name] = dict(elems)
+    return out

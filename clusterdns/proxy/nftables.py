@@ -36,6 +36,8 @@ import socket
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import compress
+from operator import is_not, itemgetter
 from typing import Iterable, Iterator, Mapping
 
 from ..config import Config
@@ -633,7 +635,7 @@ class _Layered(Mapping):
 
 
 def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None],
-           buckets: Mapping[tuple[str, int], Mapping[tuple, int]]) -> NftState:
+           buckets: Mapping[tuple[str, int], Mapping[tuple, int]], hairpin_delta: Mapping[str, int]) -> NftState:
     """previous with the objects of the changed Services replaced (None: the Service is gone).
 
     O(changed Services): every mapping is a _Layered view over the previous one.
@@ -659,6 +661,14 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
             copied.add(name)
         return elements[name]  # type: ignore[return-value]
 
+    # hairpin owners: only the net change of each address (the layered map stays small)
+    for ip, d in hairpin_delta.items():
+        if d:
+            count = hairpin.get(ip, 0) + d
+            if count > 0:
+                hairpin[ip] = count
+            else:
+                hairpin.pop(ip, None)
     for key, objs in changes.items():
         old = owned.pop(key, None)
         if old is None:
@@ -673,12 +683,6 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
         for name, ekey, _ in old.elements:
             if name in elements:
                 writable(name).pop(ekey, None)   # type: ignore[union-attr]
-        for ip in old.hairpin:
-            count = hairpin.get(ip, 0) - 1
-            if count > 0:
-                hairpin[ip] = count
-            else:
-                hairpin.pop(ip, None)
         for name in old.shared_sets:
             count = refs.get(("set", name), 0) - 1
             if count > 0:
@@ -706,8 +710,6 @@ def _apply(previous: NftState, changes: Mapping[tuple[str, str], Objects | None]
             refs[("set", name)] = count + 1
         for name, ekey, text in objs.elements:
             writable(name)[ekey] = text          # type: ignore[index]
-        for ip in objs.hairpin:
-            hairpin[ip] = hairpin.get(ip, 0) + 1
     for name in copied:
         if name in elements:
             elements[name] = elements[name].settled()
@@ -789,12 +791,18 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
             return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
         updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed),
                                             cache.ports if cache is not None else None)
-        new = _apply(previous, updates, buckets)
-        old_side = _partial(family, [o for k in updates if (o := previous.owned.get(k)) is not None])
-        new_side = _partial(family, [o for o in updates.values() if o is not None])
+        hairpin = _hairpin_delta(updates, previous.owned)
+        new = _apply(previous, updates, buckets, hairpin)
+        olds = [o for k in updates if (o := previous.owned.get(k)) is not None]
+        news = [o for o in updates.values() if o is not None]
+        # the endpoint-map ranges and hairpin pairs (thousands for a big Service) are compared
+        # slot by slot and address by address below, not made into elements on both sides
+        old_side = _partial(family, [_without_bulk(o) for o in olds])
+        new_side = _partial(family, [_without_bulk(o) for o in news])
         _align_shared(old_side, new_side, previous, new)
-        ops = diff_ops(old_side, new_side)
-        return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
+        dels, adds = _bulk_ops(olds, news, previous, new, hairpin)
+        ops = dels + diff_ops(old_side, new_side) + adds
+        return NftRuleSet(family=family, state=new, full=False, changes=_statements(ops), ops=tuple(ops))
 
 
 def build(state: ClusterState, cfg: Config, family: int = 4, cache: RenderCache | None = None) -> NftState:
@@ -867,6 +875,9 @@ def _full_state(state: ClusterState, cfg: Config, family: int, node: NodeInfo, z
             objs = hit[2]
         else:
             objs = _objects(pairs, sks, slots, node, cfg, ipx, addr_type)
+            was = previous.owned.get(key) if previous is not None else None
+            if was is not None:
+                objs = _keep_places(objs, was)     # as a targeted sync would have placed them
         owned[key] = objs
         entries[key] = (pairs, slots, objs)
     if cache is not None:
@@ -914,8 +925,150 @@ def _changed_objects(state: ClusterState, cfg: Config, family: int, node: NodeIn
         sks = _slot_keys(ps)
         num = bucket_of(key) if sks else 0
         slots = tuple(((sk[3], num), buckets[(sk[3], num)][sk]) for sk in sks)
-        updates[key] = _objects(ps, sks, slots, node, cfg, ipx, addr_type)
+        objs = _objects(ps, sks, slots, node, cfg, ipx, addr_type)
+        was = previous.owned.get(key)
+        updates[key] = _keep_places(objs, was) if was is not None else objs
     return updates, buckets
+
+
+def _keep_places(new: Objects, old: Objects) -> Objects:
+    """new, with each slot's endpoints where old had them when the slot keeps its size.
+
+    A slot's shares are fixed by its endpoint count alone; a replaced endpoint (a Pod
+    recreated) takes the share the one it replaces had, and every other endpoint keeps
+    its own: the change is one element, not the shift of every endpoint sorted after
+    it (thousands in a big Service). New endpoints fill the freed places in sorted order;
+    a full render (previous None) lays every slot out sorted again."""
+    if not new.ranges or not old.ranges:
+        return new
+    before = {(name, offset): eps for name, offset, eps in old.ranges}
+    ranges = []
+    moved = False
+    for name, offset, eps in new.ranges:
+        was = before.get((name, offset))
+        if was is not None and was is not eps and len(was) == len(eps):
+            placed = _placed(was, eps)
+            moved = moved or placed is not eps
+            ranges.append((name, offset, placed))
+        else:
+            ranges.append((name, offset, eps))
+    if not moved:
+        return new
+    return Objects(new.chains, new.chain_decls, new.sets, new.elements, new.shared_sets, tuple(ranges),
+                   new.hairpin, new.slot_keys, new.slots)
+
+
+def _placed(was: tuple, eps: tuple) -> tuple:
+    """eps (sorted) in the places of was (as many): the same endpoint (address and port) where
+    it was, the others in the places left, in order. (C-level passes: 5,000 endpoints.)"""
+    old_keys = list(map(_EP_KEY, was))
+    new_by = dict(zip(map(_EP_KEY, eps), eps))
+    before = set(old_keys)
+    came = new_by.keys() - before
+    if came:
+        gone = before - new_by.keys()
+        if len(gone) > 16:
+            places = [i for i, k in enumerate(old_keys) if k in gone]
+        else:
+            places = sorted(old_keys.index(k) for k in gone)
+        for i, k in zip(places, sorted(came)):
+            old_keys[i] = k
+    return tuple(map(new_by.__getitem__, old_keys))
+
+
+_EP_KEY, _EP_IP = itemgetter(2), itemgetter(0)     # EndpointInfo.endpoint ("ip:port"), .ip
+
+
+def _without_bulk(objs: Objects) -> Objects:
+    if not objs.ranges and not objs.hairpin:
+        return objs
+    return Objects(objs.chains, objs.chain_decls, objs.sets, objs.elements, objs.shared_sets, (), (),
+                   objs.slot_keys, objs.slots)
+
+
+def _slot_element(name: str, offset: int, count: int, i: int, ep) -> tuple:
+    """The i-th of `count` interval elements of a slot (as _slot_elements makes it)."""
+    lo, hi = offset + i * SLOT // count, offset + (i + 1) * SLOT // count - 1
+    key = f"{lo}-{hi}"
+    return (True, "", f"{key} : {ep.ip} . {ep.port}", 2, ep.ip, ep.port, lo, hi)
+
+
+def _hairpin_delta(changes: Mapping[tuple[str, str], Objects | None], owned: Mapping) -> dict[str, int]:
+    """The net change of each address's hairpin owners when the changed Services' objects
+    replace those in `owned` (a replaced endpoint of a Service of 5,000 changes two counts)."""
+    delta: dict[str, int] = {}
+    for key, objs in changes.items():
+        old = owned.get(key)
+        was = old.hairpin if old is not None else ()
+        now = objs.hairpin if objs is not None else ()
+        if was == now:
+            continue
+        a, b = set(was), set(now)
+        if len(a) == len(was) and len(b) == len(now):    # each address once (the usual one port)
+            for ip in a - b:
+                delta[ip] = delta.get(ip, 0) - 1
+            for ip in b - a:
+                delta[ip] = delta.get(ip, 0) + 1
+            continue
+        for ip in was:
+            delta[ip] = delta.get(ip, 0) - 1
+        for ip in now:
+            delta[ip] = delta.get(ip, 0) + 1
+    return delta
+
+
+def _bulk_ops(olds: list[Objects], news: list[Objects], previous: NftState, new: NftState,
+              hairpin: Mapping[str, int]) -> tuple[list, list]:
+    """(deletes, adds) of endpoint-map and hairpin elements turning the changed Services' old
+    objects into their new ones: per slot, only the places whose endpoint changed (all of
+    them when the slot's size changed); per address, only pairs the whole table gains or loses."""
+    before = {(name, offset): eps for o in olds for name, offset, eps in o.ranges}
+    after = {(name, offset): eps for o in news for name, offset, eps in o.ranges}
+    dels: dict[str, list] = {}
+    adds: dict[str, list] = {}
+    for (name, offset), eps in before.items():
+        now = after.get((name, offset))
+        if now is eps:
+            continue
+        gone = dels.setdefault(name, []) if name in new.sets else None   # a deleted map takes its elements
+        if now is not None and len(now) == len(eps):
+            count = len(eps)
+            put = adds.setdefault(name, [])
+            for i in compress(range(count), map(is_not, eps, now)):
+                if eps[i][2] == now[i][2]:     # the same "ip:port": the same element
+                    continue
+                if gone is not None:
+                    gone.append(_slot_element(name, offset, count, i, eps[i]))
+                put.append(_slot_element(name, offset, count, i, now[i]))
+            continue
+        old_elems = [e for _, _, e in _slot_elements(name, offset, eps)]
+        new_elems = [e for _, _, e in _slot_elements(name, offset, now)] if now is not None else []
+        if new_elems:    # another size: every share moves, but an element may happen to stay
+            same = set(old_elems).intersection(new_elems)
+            if same:
+                old_elems = [e for e in old_elems if e not in same]
+                new_elems = [e for e in new_elems if e not in same]
+            adds.setdefault(name, []).extend(new_elems)
+        if gone is not None:
+            gone += old_elems
+    for (name, offset), eps in after.items():
+        if (name, offset) not in before:
+            adds.setdefault(name, []).extend(e for _, _, e in _slot_elements(name, offset, eps))
+    was, now_refs = previous.hairpin, new.hairpin
+    for ip, d in hairpin.items():
+        if d:
+            had, has = ip in was, ip in now_refs
+            if had and not has:
+                dels.setdefault(HAIRPIN, []).append(_hairpin_element(ip)[2])
+            elif has and not had:
+                adds.setdefault(HAIRPIN, []).append(_hairpin_element(ip)[2])
+    return ([Op("delete", "element", name, tuple(e)) for name, e in dels.items() if e],
+            [Op("add", "element", name, tuple(e)) for name, e in adds.items() if e])
+
+
+def _statements(ops: list[Op]) -> int:
+    """Statements of a transaction (an element operation counts each element)."""
+    return sum(len(op.body) if op.kind == "element" and isinstance(op.body, tuple) else 1 for op in ops)
 
 
 def _objects(pairs, slot_keys: tuple, slots: tuple, node: NodeInfo, cfg: Config, ipx: str,
@@ -1093,7 +1246,7 @@ def _service(b: _Builder, info: ServicePortInfo, cat: Categorized, node: NodeInf
         b.chain(fw_chain).append(rule(AddrIn(ipx, "saddr", tuple(sources), neg=True), Verdict("drop"))
                                  if sources else rule(Verdict("drop")))
 
-    b.hairpin += [ep.ip for ep in cat.reachable]     # the `ep . ep` pairs of the shared hairpin set
+    b.hairpin += map(_EP_IP, cat.reachable)     # the `ep . ep` pairs of the shared hairpin set
     if info.affinity_timeout:
         for ep in cat.reachable:
             ep_base = ep_bases[ep.endpoint]

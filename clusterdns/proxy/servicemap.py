@@ -255,32 +255,47 @@ def _in_family(ips: tuple[str, ...], family: int) -> tuple[str, ...]:
 
 
 def _endpoints_for(slices: tuple[EndpointSlice, ...], port: ServicePort, address_type: str,
-                   node_name: str) -> tuple[EndpointInfo, ...]:
-    new = tuple.__new__   # EndpointInfo without the keyword-handling wrapper: this loop is hot
+                   node_name: str, parts: list | None = None,
+                   reuse: dict[int, list] | None = None) -> tuple[EndpointInfo, ...]:
+    """The port's endpoints of every slice, sorted. parts: receives each slice's own endpoints;
+    reuse: such parts of earlier slices by id(), taken for the slices that are those very
+    objects (a change of one slice of a Service of 5,000 endpoints costs that slice)."""
     found: list[EndpointInfo] = []
-    v6 = address_type == IPV6
-    mine = node_name or "\0"   # no endpoint is local without a node name ("\0" is no node's)
     for sl in slices:
-        if sl.address_type != address_type:
-            continue
-        number = None
-        for ep_port in sl.ports:
-            if ep_port.name == port.name and ep_port.protocol == port.protocol:
-                number = ep_port.port
-                break
-        if not number:
-            continue
-        suffix = f":{number}"   # format_endpoint, by concatenation
-        found += [new(EndpointInfo, (
-            ip, number, ("[" + ip + "]" if v6 else ip) + suffix, ep.ready, ep.serving, ep.terminating,
-            ep.node_name == mine, ep.zone, ep.hint_zones,
-            ep.node_name, ep.pod_namespace, ep.pod_name)) for ep in sl.endpoints for ip in ep.addresses[:1]]
+        part = reuse.get(id(sl)) if reuse else None
+        if part is None:
+            part = _slice_endpoints(sl, port, address_type, node_name)
+        if parts is not None:
+            parts.append(part)
+        found += part
     if len(found) < 2:
         return tuple(found)
     found.sort(key=_ENDPOINT_KEY)
     if len(set(map(_ENDPOINT_KEY, found))) != len(found):
         return _dedup(found)
     return tuple(found)
+
+
+def _slice_endpoints(sl: EndpointSlice, port: ServicePort, address_type: str, node_name: str) -> list[EndpointInfo]:
+    if sl.address_type != address_type:
+        return []
+    number = None
+    for ep_port in sl.ports:
+        if ep_port.name == port.name and ep_port.protocol == port.protocol:
+            number = ep_port.port
+            break
+    if not number:
+        return []
+    new = tuple.__new__   # EndpointInfo without the keyword-handling wrapper: this loop is hot
+    v6 = address_type == IPV6
+    mine = node_name or "\0"   # no endpoint is local without a node name ("\0" is no node's)
+    suffix = f":{number}"   # format_endpoint, by concatenation
+    found = [new(EndpointInfo, (
+        ip, number, ("[" + ip + "]" if v6 else ip) + suffix, ep.ready, ep.serving, ep.terminating,
+        ep.node_name == mine, ep.zone, ep.hint_zones,
+        ep.node_name, ep.pod_namespace, ep.pod_name)) for ep in sl.endpoints for ip in ep.addresses[:1]]
+    found.sort(key=_ENDPOINT_KEY)   # sorted runs: merging a big Service's slices is then cheap
+    return found
 
 
 _ENDPOINT_KEY = itemgetter(2)
@@ -418,13 +433,23 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _compute_ports(svc: Service, slices: tuple[EndpointSlice, ...], family: int, node_name: str,
-                   zone: str) -> tuple[tuple[ServicePortInfo, Categorized], ...]:
+                   zone: str, old: tuple | None = None) -> tuple[tuple, tuple | None]:
+    """((info, categorized) per port, each port's per-slice endpoints or None). old: an earlier
+    result for the same Service object (slices, per-slice endpoints), whose parts for
+    unchanged slices are reused. Per-slice parts are kept for Services of several slices only."""
     address_type = IPV6 if family == 6 else IPV4
     out = []
-    for info in service_port_infos(svc, family):
-        eps = _endpoints_for(slices, info.port, address_type, node_name)
+    keep = len(slices) > 1
+    all_parts: list[list] = []
+    for i, info in enumerate(service_port_infos(svc, family)):
+        reuse = None
+        if old is not None and old[1] is not None:
+            reuse = {id(sl): part for sl, part in zip(old[0], old[1][i])}
+        parts: list = []
+        eps = _endpoints_for(slices, info.port, address_type, node_name, parts if keep else None, reuse)
+        all_parts.append(parts)
         out.append((info, categorize(info, eps, zone)))
-    return tuple(out)
+    return tuple(out), (tuple(all_parts) if keep else None)
 
 
 def _cached_ports(cache: dict, state: ClusterState, key: tuple[str, str], family: int, node_name: str,
@@ -436,8 +461,11 @@ def _cached_ports(cache: dict, state: ClusterState, key: tuple[str, str], family
     hit = cache.get(key)
     if hit is not None and hit[0] is svc and _same(hit[1], slices):
         return hit[2]
-    ports = _compute_ports(svc, slices, family, node_name, zone)
-    cache[key] = (svc, slices, ports)
+    # the same Service with other slices: the unchanged slices' endpoints are reused
+    # (hit keeps the old slices alive, so their ids name them)
+    old = (hit[1], hit[3]) if hit is not None and hit[0] is svc else None
+    ports, parts = _compute_ports(svc, slices, family, node_name, zone, old)
+    cache[key] = (svc, slices, ports, parts)
     return ports
 
 

@@ -23,6 +23,7 @@ from clusterdns.proxy import nftables
 from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
+from tests.common import endpoint_slots, nft_elements
 from tests.demo import DEMO_CFG, demo_state
 from tests.nslib import nft, nft_table, requires
 
@@ -298,8 +299,27 @@ def _sort_elements(block: str) -> str:
         return block
     head, _, rest = block.partition("elements = {")
     body, _, tail = rest.rpartition("}")
-    items = sorted(x.strip() for x in body.replace("\n", " ").split(",") if x.strip())
-    return head + "elements = {" + ", ".join(items) + "}" + tail
+    items = [x.strip() for x in body.replace("\n", " ").split(",") if x.strip()]
+    if head.startswith("map " + nftables.ENDPOINTS_PREFIX):
+        items = _slots(items)
+    return head + "elements = {" + ", ".join(sorted(items)) + "}" + tail
+
+
+def _slots(items) -> list[str]:
+    return endpoint_slots(items)
+
+
+def _statements(text: str) -> list[str]:
+    """An nft -f text's statements, one element per element statement (a sync may send a
+    slot's elements in one statement, a diff of the whole table one by one)."""
+    out = []
+    for line in text.splitlines():
+        head, sep, rest = line.partition(" { ")
+        if sep and line.split()[1] == "element":
+            out += [f"{head} {{ {item.strip()} }}" for item in rest.rstrip(" }").split(", ")]
+        else:
+            out.append(line)
+    return sorted(out)
 
 
 @needs_netns
@@ -412,7 +432,7 @@ def _assert_same_state(a, b):
     assert dict(a.chains) == dict(b.chains)
     assert dict(a.chain_decls) == dict(b.chain_decls)
     assert dict(a.sets) == dict(b.sets)
-    assert {k: dict(v) for k, v in a.elements.items()} == {k: dict(v) for k, v in b.elements.items()}
+    assert nft_elements(a) == nft_elements(b)    # placement within a slot: see endpoint_slots
 
 
 def test_targeted_incremental_matches_full_diff():
@@ -423,7 +443,7 @@ def test_targeted_incremental_matches_full_diff():
         targeted = nftables.render(new, cfg, 4, previous=prev, changed=_changed(old, new))
         general = nftables.render(new, cfg, 4, previous=prev)
         _assert_same_state(targeted.state, general.state)
-        assert sorted(targeted.text.splitlines()) == sorted(general.text.splitlines())
+        assert _statements(targeted.text) == _statements(general.text)
 
 
 @needs_netns
@@ -452,7 +472,7 @@ def test_sizes_and_speed_10k():
     st2 = state_from_records(records)
     inc = nftables.render(st2, cfg, 4, previous=full.state, changed={("ns-7", "svc-77")})
     # speed is measured in bench/proxy; here: the change is 10 + 9 range elements and one hairpin pair
-    lines = inc.text.splitlines()
+    lines = _statements(inc.text)
     assert len(lines) == 20 and all(line.split()[1] == "element" for line in lines), lines
     assert not any(c.startswith("endpoint-") for c in inc.state.chains)
     assert len(full.state.chains) < 12 + 10000 * 2
@@ -580,11 +600,11 @@ def _random_steps(rnd, steps: int):
     extra = 0
     for _ in range(steps):
         kind = rnd.choice(["drop-ep", "add-ep", "ready", "terminating", "move", "drop-ep", "add-ep",
-                           "add-svc", "del-svc", "etp", "itp", "affinity", "nodeport", "zero"])
+                           "add-svc", "del-svc", "etp", "itp", "affinity", "nodeport", "zero", "replace", "replace"])
         services = [r for k, r in records if k == "Service"]
         target = rnd.choice(services)
         key = (target.namespace, target.name)
-        endpoints_only = kind in ("drop-ep", "add-ep", "ready", "terminating", "move", "zero")
+        endpoints_only = kind in ("drop-ep", "add-ep", "ready", "terminating", "move", "zero", "replace")
         out = []
         for k, r in records:
             if k == "EndpointSlice" and (r.namespace, r.service) == key and endpoints_only:
@@ -596,6 +616,9 @@ def _random_steps(rnd, steps: int):
                     extra += 1
                     eps.append(Endpoint((f"10.200.{extra // 250}.{extra % 250 + 1}",),
                                         node_name=rnd.choice(["node-0", "node-1"])))
+                elif kind == "replace" and eps:     # a Pod recreated: another address in its place
+                    extra += 1
+                    eps[i] = replace(eps[i], addresses=(f"10.202.{extra // 250}.{extra % 250 + 1}",))
                 elif kind == "ready" and eps:
                     eps[i] = replace(eps[i], ready=not eps[i].ready)
                 elif kind == "terminating" and eps:
@@ -668,3 +691,50 @@ def test_random_changes_over_netlink_equal_a_fresh_full_load(namespaces):
     finally:
         nflink.close_all()
     assert element_only >= 15
+
+
+def test_a_replaced_endpoint_takes_the_share_of_the_one_it_replaces():
+    """A Pod recreated in a Service of 500 endpoints in 5 slices: one range element changes
+    its endpoint and one hairpin pair is swapped; every other endpoint keeps its share."""
+    from clusterdns.synthetic import envelope_records
+    cfg = Config.from_options(command="rules", node_name="node-0", node_ips=("192.168.0.2",),
+                              cluster_cidrs=("10.0.0.0/8",))
+    records = envelope_records(services=20, endpoints=1180, big=500, headless=2)
+    st = state_from_records(records)
+    full = nftables.render(st, cfg, 4)
+    key = ("ns-0", "big")
+    (name, offset, before), = full.state.owned[key].ranges
+    assert len(before) == 500
+    prev, cur = full.state, records
+    for i, victim in enumerate(("10.0.1.30", "10.0.2.200", "10.250.0.1")):   # the last: a replacement's
+        new_ip = f"10.250.0.{i + 1}"
+        cur = [(k, replace(r, endpoints=tuple(replace(e, addresses=(new_ip,)) if e.addresses == (victim,) else e
+                                             for e in r.endpoints)))
+               if k == "EndpointSlice" and r.service == "big" else (k, r) for k, r in cur]
+        new = state_from_records(cur)
+        rs = nftables.render(new, cfg, 4, previous=prev, changed={key})
+        assert _statements(rs.text) == sorted([
+            f"delete element ip kube-proxy {name} {{ {_range_of(before, victim, offset)} }}",
+            f"add element ip kube-proxy {name} {{ {_range_of(before, victim, offset)} : {new_ip} . 8080 }}",
+            f"delete element ip kube-proxy hairpin {{ {victim} . {victim} }}",
+            f"add element ip kube-proxy hairpin {{ {new_ip} . {new_ip} }}"]), i
+        (_, _, after), = rs.state.owned[key].ranges
+        assert [e.endpoint for e in after] == [e.endpoint if e.ip != victim else f"{new_ip}:8080" for e in before]
+        # the same table as a render of the state from scratch, but for who holds which share
+        _assert_same_state(rs.state, nftables.build(new, cfg, 4))
+        targeted_general = nftables.render(new, cfg, 4, previous=prev)
+        _assert_same_state(rs.state, targeted_general.state)
+        assert _statements(targeted_general.text) == _statements(rs.text)
+        prev, before = rs.state, after
+    # one endpoint fewer: every share moves
+    cur = [(k, replace(r, endpoints=r.endpoints[1:])) if k == "EndpointSlice" and r.name == "big-000" else (k, r)
+           for k, r in cur]
+    rs = nftables.render(state_from_records(cur), cfg, 4, previous=prev, changed={key})
+    added = [s for s in _statements(rs.text) if s.startswith(f"add element ip kube-proxy {name} ")]
+    assert len(added) == 499
+
+
+def _range_of(eps, ip: str, offset: int) -> str:
+    i = next(i for i, e in enumerate(eps) if e.ip == ip)
+    lo, hi = nftables.shares(len(eps), offset)[i]
+    return f"{lo}-{hi}"
