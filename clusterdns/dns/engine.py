@@ -169,9 +169,14 @@ class Engine:
 
     # --- state -------------------------------------------------------------------------
 
-    def update(self, state: ClusterState) -> None:
-        """Compile the zone view of `state` and swap it in (one assignment)."""
-        self._view = ZoneView(self.cfg, state, self._view, self.selector, self.server_addresses)
+    def update(self, state: ClusterState, changed=None, since: ClusterState | None = None) -> None:
+        """Compile the zone view of `state` and swap it in (one assignment). changed: the
+        Service keys that differ from `since`, the state the current view was made of
+        (a store's delta); only those are rebuilt then."""
+        prev = self._view
+        if since is None or prev.state is not since:
+            changed = None
+        self._view = ZoneView(self.cfg, state, prev, self.selector, self.server_addresses, changed)
 
     @property
     def synced(self) -> bool:

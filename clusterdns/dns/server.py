@@ -695,8 +695,11 @@ class DnsService:
 
     # -- state ---------------------------------------------------------
 
-    def _on_state(self, _old: ClusterState, new: ClusterState, _delta: Delta) -> None:
-        self.engine.update(new)
+    def _on_state(self, old: ClusterState, new: ClusterState, delta: Delta) -> None:
+        if self.corefile is not None:
+            self.engine.update(new)
+        else:   # only the changed Services are compiled again
+            self.engine.update(new, None if delta.full else delta.services, old)
 
     @property
     def synced(self) -> bool:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections import OrderedDict
-from typing import Callable, Iterator
+from operator import itemgetter
+from typing import Callable, Iterable, Iterator
 
 from dnslib import AAAA as RD_AAAA
 from dnslib import CNAME as RD_CNAME
@@ -174,9 +175,10 @@ class ServiceData:
     A headless Service's, which every one of its answers needs, are made at once."""
     __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "_ready", "_by_name", "_eps_by_name", "target",
                  "_srv_count", "_port_entries", "_port_counts", "_big", "_families", "_pod_names", "_noendpoints",
-                 "_names_by_ip")
+                 "_names_by_ip", "_parts", "_addresses")
 
-    def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool):
+    def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool,
+                 prev: "ServiceData | None" = None):
         self.svc, self.slices = svc, slices
         if svc.type == EXTERNAL_NAME:
             self.kind = "external"
@@ -195,8 +197,12 @@ class ServiceData:
         self._ready: tuple[tuple, ...] | None = None
         self._big: bool | None = None
         self._names_by_ip: dict[str, list[str]] | None = None
+        # a Service of several slices keeps each slice's entries, so that its next version
+        # (one slice changed) makes only that slice's; and, when big, its address set
+        self._parts: tuple[tuple, ...] | None = None
+        self._addresses: frozenset[str] | None = None
         if self.kind == "headless":
-            self._make_ready()   # every answer of a headless Service is made of them
+            self._make_ready(prev)   # every answer of a headless Service is made of them
         self._families: tuple[bool, bool] | None = None
         self._by_name: dict[str, list[str]] | None = None
         self._eps_by_name: dict[str, list[tuple]] | None = None
@@ -254,30 +260,24 @@ class ServiceData:
             self._big = big
         return big
 
-    def _make_ready(self) -> None:
-        pod_names = self._pod_names
+    def _make_ready(self, prev: "ServiceData | None" = None) -> None:
         ready: list[tuple] = []    # (endpoint name, address, ports of its slice)
         # SRV weights need the number of matches before de-duplication: counted per slice here
         srv_count = port_entries = 0
         port_counts: dict[tuple[str, str], int] = {}
+        parts: list[tuple] | None = [] if len(self.slices) > 1 else None
+        had = {}
+        if parts is not None and prev is not None and prev._parts is not None and prev._pod_names == self._pod_names:
+            had = {id(sl): part for sl, part in zip(prev.slices, prev._parts)}   # prev keeps them alive
         if not self._noendpoints and self.kind != "external":
             for sl in self.slices:
-                if sl.address_type not in (IPV4, IPV6):
-                    continue
-                before = len(ready)
-                for ep in sl.endpoints:
-                    if not ep.ready:
-                        continue
-                    host = ep.hostname
-                    for ip in ep.addresses:
-                        if host and len(host) < 64:
-                            name = host.lower()
-                        elif not pod_names and "." in ip:      # the common case, inlined
-                            name = ip.replace(".", "-")
-                        else:
-                            name = names.endpoint_name(host, ep.pod_name, ip, pod_names)
-                        ready.append((name, ip, sl.ports))     # (_names_here names them alike)
-                k = len(ready) - before
+                part = had.get(id(sl))
+                if part is None:
+                    part = self._slice_entries(sl)
+                if parts is not None:
+                    parts.append(part)
+                ready += part
+                k = len(part)
                 if k:
                     srv_count += k * max(1, len(sl.ports))
                     port_entries += k * len(sl.ports)
@@ -285,8 +285,53 @@ class ServiceData:
                         if p.name:
                             pk = (p.name.lower(), p.protocol.lower())
                             port_counts[pk] = port_counts.get(pk, 0) + k
+        elif parts is not None:
+            parts = [() for _ in self.slices]
         self._srv_count, self._port_entries, self._port_counts = srv_count, port_entries, port_counts
         self._ready = tuple(ready)
+        self._parts = tuple(parts) if parts is not None else None
+
+    def _slice_entries(self, sl: EndpointSlice) -> tuple:
+        if sl.address_type not in (IPV4, IPV6):
+            return ()
+        pod_names = self._pod_names
+        out = []
+        for ep in sl.endpoints:
+            if not ep.ready:
+                continue
+            host = ep.hostname
+            for ip in ep.addresses:
+                if host and len(host) < 64:
+                    name = host.lower()
+                elif not pod_names and "." in ip:      # the common case, inlined
+                    name = ip.replace(".", "-")
+                else:
+                    name = names.endpoint_name(host, ep.pod_name, ip, pod_names)
+                out.append((name, ip, sl.ports))     # (_names_here names them alike)
+        return tuple(out)
+
+    def addresses(self, prev: "ServiceData | None" = None) -> frozenset[str]:
+        """The ready endpoint addresses (as ready_addresses() yields them), kept for a big
+        Service; a Service of several slices reuses prev's sets of the slices it shares."""
+        got = self._addresses
+        if got is not None:
+            return got
+        parts = None
+        if self._noendpoints or self.kind == "external":
+            got = frozenset()
+        elif len(self.slices) > 1:
+            had = {}
+            if prev is not None and type(prev._addresses) is _Addresses:
+                had = {id(sl): part for sl, part in zip(prev.slices, prev._addresses.parts)}
+            parts = tuple([had.get(id(sl)) or _slice_addresses(sl) for sl in self.slices])
+            got = frozenset().union(*parts)
+        elif self._ready is not None:
+            got = frozenset(map(_ENTRY_IP, self._ready))
+        else:
+            got = frozenset(self.ready_addresses())
+        if len(got) > BIG:
+            self._addresses = _Addresses(got, parts or ()) if parts else got
+        return got
 
     def by_name(self) -> dict[str, list[str]]:
         """Endpoint name -> its addresses (no duplicates)."""
@@ -381,7 +426,10 @@ class ZoneView:
 
     def __init__(self, cfg: Config, state: ClusterState | None = None, prev: "ZoneView | None" = None,
                  selector: Selector | None = None,
-                 server_addresses: Callable[[], list[str]] = lambda: []) -> None:
+                 server_addresses: Callable[[], list[str]] = lambda: [],
+                 changed: "Iterable[tuple[str, str]] | None" = None) -> None:
+        """changed (with prev): the Service keys whose Service or slices differ between
+        prev.state and state; only those are looked at (None: every Service is compared)."""
         self.cfg = cfg
         self.state = state if state is not None else ClusterState()
         st = self.state
@@ -411,17 +459,21 @@ class ZoneView:
         self._soas: dict[Labels, RR] = {}
         if prev is not None and (prev.cfg is not cfg or prev.selector is not selector):
             prev = None
+        if prev is None:
+            changed = None
         # earlier versions' prebuilt answers, newest first: the engine takes over those still true
         self.carried: tuple[dict, ...] = ((prev.memo,) + prev.carried[:2]) if prev is not None else ()
         with gc_paused():   # compiling allocates many small objects: collections would only rescan the state
             self.by_service = st.slices_by_service   # the store's index, kept up to date per change
-            self.services = self._compile_services(prev)
-            if prev is not None and prev.state.services.keys() == self.state.services.keys():
+            self.services, changes = self._compile_services(prev, changed)
+            if prev is not None and (not any((c[1] is None) != (c[2] is None) for c in changes)
+                                     if changes is not None
+                                     else prev.state.services.keys() == self.state.services.keys()):
                 self.svc_namespaces = prev.svc_namespaces
             else:
                 self.svc_namespaces = {k[0] for k in self.services}
             self._exposed: dict[str, bool] = {}
-            self.cips, self.eps = self._index_addresses(prev)
+            self.cips, self.eps = self._index_addresses(prev, changes)
 
     def remember_reply(self, query: bytes, reply: bytes) -> None:
         """Keep `reply` (the message after its ID) for the query bytes after its ID."""
@@ -434,75 +486,93 @@ class ZoneView:
 
     # --- compile ---------------------------------------------------------------------
 
-    def _compile_services(self, prev: "ZoneView | None") -> dict[tuple[str, str], "ServiceData"]:
+    def _compile_services(self, prev: "ZoneView | None", changed) -> tuple[dict, list | None]:
+        """The ServiceData of every Service, and (key, old, new) of those that changed when
+        `changed` tells which (None otherwise)."""
         old = prev.services if prev is not None else {}
-        services: dict[tuple[str, str], ServiceData] = {}
         by_service = self.by_service
         pod_names, noeps = self.cfg.dns.endpoint_pod_names, self.cfg.dns.noendpoints
+        if changed is not None:
+            services = old.copy()
+            changes = []
+            for key in changed:
+                svc = self.state.services.get(key)
+                o = old.get(key)
+                if svc is None:
+                    if o is not None:
+                        del services[key]
+                        changes.append((key, o, None))
+                    continue
+                slices = by_service.get(key, ())
+                if o is not None and o.svc is svc and o.slices == slices:
+                    continue
+                sd = services[key] = ServiceData(svc, slices, pod_names, noeps, o)
+                changes.append((key, o, sd))
+            return services, changes
+        services = {}
         for key, svc in self.state.services.items():
             slices = by_service.get(key, ())
             o = old.get(key)
             if o is not None and o.svc is svc and o.slices == slices:
                 services[key] = o
             else:
-                services[key] = ServiceData(svc, slices, pod_names, noeps)
-        return services
+                services[key] = ServiceData(svc, slices, pod_names, noeps, o)
+        return services, None
 
-    def _add_addresses(self, sd: "ServiceData", cips: dict, eps: dict, copied: set | None) -> None:
-        if sd.kind == "external" or not self.exposed(sd.svc.namespace):
-            return
-        for ip in sd.svc.cluster_ips:
-            _index_add(cips, "c", ip, (sd, None), copied)
-        get = eps.get
-        for ip in sd.ready_addresses():
-            had = get(ip)
-            if had is None:
-                eps[ip] = sd
-            elif had is not sd:
-                if type(had) is not list:
-                    eps[ip] = [had, sd]
-                elif sd not in had:
-                    if copied is not None and ip not in copied:   # shared with the previous view
-                        had = eps[ip] = list(had)
-                        copied.add(ip)
-                    had.append(sd)
+    def _indexed(self, sd: "ServiceData | None") -> bool:
+        return sd is not None and sd.kind != "external" and self.exposed(sd.svc.namespace)
 
-    def _index_addresses(self, prev: "ZoneView | None") -> tuple[dict, dict]:
-        """address -> [(service, None)] for ClusterIPs, and address -> the service (a list of
-        them when several) whose ready endpoints have it: no per-endpoint list and tuple (13 MB
-        at 100,000 endpoints); reverse() finds the endpoint names in the service's entries."""
+    def _index_addresses(self, prev: "ZoneView | None", changes: list | None) -> tuple[dict, "_AddressIndex"]:
+        """address -> [(service, None)] for ClusterIPs, and address -> the key of the Service
+        (a list of keys when several) whose ready endpoints have it: no per-endpoint list and
+        tuple (13 MB at 100,000 endpoints); reverse() finds the endpoint names in the service's
+        entries. Keyed by Service, an unchanged address stays as it is when its Service
+        changes: a change costs the addresses it adds or removes."""
         rebuild = prev is None or (self.selector is not None and prev.state.namespaces is not self.state.namespaces)
         if rebuild:
             cips: dict[str, list] = {}
-            eps: dict[str, list] = {}
-            for sd in self.services.values():
-                self._add_addresses(sd, cips, eps, None)
+            eps = _AddressIndex()
+            for key, sd in self.services.items():
+                if self._indexed(sd):
+                    for ip in sd.svc.cluster_ips:
+                        _index_add(cips, "c", ip, (sd, None), None)
+                    for ip in sd.ready_addresses():
+                        eps.add(ip, key)
+            eps.seal()
             return cips, eps
+        assert prev is not None
         old, new = prev.services, self.services
-        gone = [sd for k, sd in old.items() if new.get(k) is not sd]
-        added = [sd for k, sd in new.items() if old.get(k) is not sd]
-        if not gone and not added:
+        if changes is None:
+            changes = [(k, old.get(k), new.get(k)) for k in old.keys() | new.keys() if old.get(k) is not new.get(k)]
+        if not changes:
             return prev.cips, prev.eps
-        cips, eps = dict(prev.cips), dict(prev.eps)
-        for sd in gone:
-            for ip in sd.svc.cluster_ips:
-                lst = cips.get(ip)
-                if lst is not None:
-                    keep = [x for x in lst if x[0] is not sd]
-                    if keep:
-                        cips[ip] = keep
-                    else:
-                        del cips[ip]
-            for ip in sd.ready_addresses():
-                had = eps.get(ip)
-                if had is sd:
-                    del eps[ip]
-                elif type(had) is list and sd in had:
-                    keep = [x for x in had if x is not sd]
-                    eps[ip] = keep if len(keep) > 1 else keep[0]
+        cips = prev.cips.copy()
+        eps = prev.eps.derive()
         copied: set = set()
-        for sd in added:
-            self._add_addresses(sd, cips, eps, copied)
+        for key, o, sd in changes:
+            was_in, now_in = prev._indexed(o), self._indexed(sd)
+            if was_in:
+                assert o is not None
+                for ip in o.svc.cluster_ips:
+                    lst = cips.get(ip)
+                    if lst is not None:
+                        keep = [x for x in lst if x[0] is not o]
+                        if keep:
+                            cips[ip] = keep
+                        else:
+                            del cips[ip]
+                        copied.add(("c", ip))
+            if now_in:
+                assert sd is not None
+                for ip in sd.svc.cluster_ips:
+                    _index_add(cips, "c", ip, (sd, None), copied)
+            before = o.addresses() if was_in and o is not None else frozenset()
+            after = sd.addresses(o) if now_in and sd is not None else frozenset()
+            for ip in before - after:
+                eps.remove(ip, key)
+            for ip in after - before:
+                eps.add(ip, key)
+        eps.seal()
         return cips, eps
 
     # --- namespaces ------------------------------------------------------------------
@@ -553,8 +623,10 @@ class ZoneView:
         if had is None:
             return []
         out: list[tuple[ServiceData, str | None]] = []
-        for sd in (had if type(had) is list else (had,)):
-            out += [(sd, name) for name in sd.names_at(ip)]
+        for key in (had if type(had) is list else (had,)):
+            sd = self.services.get(key)
+            if sd is not None:
+                out += [(sd, name) for name in sd.names_at(ip)]
         return out
 
     # --- records -----------------------------------------------------------------------
@@ -910,6 +982,84 @@ def _unique(items) -> Iterator:
         if x not in seen:
             seen.add(x)
             yield x
+
+
+_ENTRY_IP = itemgetter(1)
+
+
+class _Addresses(frozenset):
+    """A big Service's address set, with the set of each of its slices (`parts`)."""
+    parts: tuple = ()
+
+    def __new__(cls, items, parts: tuple) -> "_Addresses":
+        self = super().__new__(cls, items)
+        self.parts = parts
+        return self
+
+
+def _slice_addresses(sl: EndpointSlice) -> frozenset[str]:
+    if sl.address_type not in (IPV4, IPV6):
+        return frozenset()
+    return frozenset([a for ep in sl.endpoints if ep.ready for a in ep.addresses])
+
+
+class _AddressIndex:
+    """Endpoint address -> Service key (or a list of keys): 64 dicts picked by the address's
+    hash, so that a view derived from the previous one copies only the dicts its changes
+    touch (one dict of 150,000 addresses was copied whole on every change)."""
+    __slots__ = ("shards", "_own")
+    N = 64
+
+    def __init__(self, shards: list | None = None) -> None:
+        self.shards: list[dict] = shards if shards is not None else [{} for _ in range(self.N)]
+        self._own: set[int] | None = set(range(self.N)) if shards is None else set()
+
+    def get(self, ip: str):
+        return self.shards[hash(ip) & 63].get(ip)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.shards)
+
+    def __iter__(self) -> Iterator[str]:
+        for d in self.shards:
+            yield from d
+
+    def derive(self) -> "_AddressIndex":
+        return _AddressIndex(list(self.shards))
+
+    def seal(self) -> None:
+        self._own = None       # shared with later views from here on
+
+    def _writable(self, ip: str) -> dict:
+        i = hash(ip) & 63
+        own = self._own
+        assert own is not None, "a sealed index"
+        if i not in own:
+            self.shards[i] = self.shards[i].copy()
+            own.add(i)
+        return self.shards[i]
+
+    def add(self, ip: str, key: tuple) -> None:
+        d = self._writable(ip)
+        had = d.get(ip)
+        if had is None:
+            d[ip] = key
+        elif type(had) is list:
+            if key not in had:
+                d[ip] = had + [key]       # lists may be shared with an earlier view
+        elif had != key:
+            d[ip] = [had, key]
+
+    def remove(self, ip: str, key: tuple) -> None:
+        d = self._writable(ip)
+        had = d.get(ip)
+        if had is None:
+            return
+        if type(had) is list:
+            keep = [k for k in had if k != key]
+            d[ip] = keep if len(keep) > 1 else keep[0]
+        elif had == key:
+            del d[ip]
 
 
 def _index_add(table: dict, tag: str, ip: str, item: tuple, copied: set | None) -> None:

@@ -1252,7 +1252,7 @@ def test_interface_the_server_codes_against():
 
     from clusterdns.dns import Engine, Forwarder
     assert list(inspect.signature(Engine.__init__).parameters) == ["self", "cfg", "forwarder", "server_addresses"]
-    assert list(inspect.signature(Engine.update).parameters) == ["self", "state"]
+    assert list(inspect.signature(Engine.update).parameters) == ["self", "state", "changed", "since"]
     assert list(inspect.signature(Engine.fast).parameters) == ["self", "data", "tcp"]
     assert list(inspect.signature(Engine.resolve).parameters) == ["self", "data", "client_ip", "tcp"]
     assert inspect.iscoroutinefunction(Engine.resolve) and inspect.iscoroutinefunction(Forwarder.query)

@@ -48,7 +48,7 @@ class EngineDouble:
         self.states = []
         self.clients = []
 
-    def update(self, state) -> None:
+    def update(self, state, changed=None, since=None) -> None:
         self.states.append(state.version)
 
     def fast(self, data: bytes, tcp: bool) -> bytes | None:

@@ -58,17 +58,42 @@ def mutate(store: StateStore, rng: random.Random) -> None:
                                                     endpoints=(Endpoint((f"10.96.200.{rng.randrange(256)}",)),)))
 
 
+def replace_in_big(store: StateStore, rng: random.Random) -> None:
+    """A Pod of the big Services recreated: one address changes in one of their slices."""
+    st = store.current
+    key = rng.choice(sorted(k for k in st.slices if k[1].startswith("big-")))
+    sl = st.slices[key]
+    i = rng.randrange(len(sl.endpoints))
+    eps = list(sl.endpoints)
+    eps[i] = replace(eps[i], addresses=(f"10.251.{rng.randrange(256)}.{rng.randrange(256)}",),
+                     ready=rng.random() < 0.9)
+    store.upsert("EndpointSlice", replace(sl, endpoints=tuple(eps)))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_incremental_compile_equals_fresh(seed):
+    """Views made from the previous one (comparing every Service, or told which changed, as
+    the server does from the store's deltas) equal a view compiled afresh, after every change."""
+    from clusterdns.synthetic import envelope_records
     rng = random.Random(seed)
     store = StateStore()
-    publish(store, synthetic_records(60, 3, namespaces=4, headless_every=5))
+    publish(store, synthetic_records(60, 3, namespaces=4, headless_every=5)
+            + [r for r in envelope_records(services=2, endpoints=2 * 450, big=450, headless=1) if r[0] != "Node"])
+    deltas = []
+    store.subscribe(lambda old, new, delta: deltas.append((old, new, delta)))
     cfg = Config()
-    view = ZoneView(cfg, store.current)
+    view = told = ZoneView(cfg, store.current)
     for _ in range(40):
-        mutate(store, rng)
+        deltas.clear()
+        (mutate if rng.random() < 0.6 else replace_in_big)(store, rng)
         view = ZoneView(cfg, store.current, view)
-        assert snapshot(view) == snapshot(ZoneView(cfg, store.current))
+        for old, new, delta in deltas:
+            assert told.state is old
+            told = ZoneView(cfg, new, told, changed=None if delta.full else delta.services)
+        assert told.state is store.current
+        fresh = snapshot(ZoneView(cfg, store.current))
+        assert snapshot(view) == fresh
+        assert snapshot(told) == fresh
 
 
 def test_unchanged_services_are_reused():
