@@ -11,6 +11,7 @@ from typing import Any
 
 from .model import (
     CLUSTER_IP,
+    IPV4,
     NODE_PORT,
     Endpoint,
     EndpointPort,
@@ -87,3 +88,48 @@ def to_manifest(records: list[tuple[str, Any]]) -> str:
                               for e in r.endpoints],
                 "ports": [{"name": p.name, "protocol": p.protocol, "port": p.port} for p in r.ports]})
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+
+
+def envelope_records(services: int = 10000, endpoints: int = 150000, big: int = 5000, headless: int = 1000,
+                     namespaces: int = 10, slice_size: int = 100, nodes: int = 2) -> list[tuple[str, Any]]:
+    """Kubernetes' scalability envelope: `services` Services holding `endpoints` endpoints in all.
+
+    `big` (ClusterIP) and `big-headless` in ns-0 select the same `big` Pods, each through its own
+    EndpointSlices of `slice_size` endpoints (as the EndpointSlice controller cuts them);
+    `headless` Services are headless, big-headless among them; the other Services share what is
+    left of `endpoints` as evenly as integers allow, one slice each. Endpoints carry no hostname
+    (Deployment Pods): their DNS names are dashed addresses. Port "http" TCP 80 -> 8080 on all.
+    """
+    out: list[tuple[str, Any]] = [("Namespace", Namespace(f"ns-{n}")) for n in range(namespaces)]
+    out += [("Node", Node(f"node-{n}", (f"192.168.0.{n + 2}",),
+                          (("topology.kubernetes.io/zone", f"zone-{n % 3}"),))) for n in range(nodes)]
+    port = ServicePort("http", "TCP", 80, 0, 8080)
+    eport = (EndpointPort("http", "TCP", 8080),)
+    next_ep = POD_BASE + 256
+
+    def pods(n: int, owner: str, ns: str) -> list[Endpoint]:
+        nonlocal next_ep
+        eps = [Endpoint((str(ipaddress.ip_address(next_ep + j)),), node_name=f"node-{j % nodes}",
+                        pod_name=f"{owner}-{j}", pod_namespace=ns, zone=f"zone-{j % 3}") for j in range(n)]
+        next_ep += n
+        return eps
+
+    big_pods = pods(big, "big", "ns-0")
+    for name, is_headless in (("big", False), ("big-headless", True)):
+        cip = () if is_headless else (str(ipaddress.ip_address(SERVICE_BASE + 1)),)
+        out.append(("Service", Service("ns-0", name, CLUSTER_IP, cip, headless=is_headless, ports=(port,))))
+        for k in range(0, big, slice_size):
+            out.append(("EndpointSlice", EndpointSlice("ns-0", f"{name}-{k // slice_size:03d}", name, IPV4,
+                                                       tuple(big_pods[k:k + slice_size]), eport)))
+    rest, left = services - 2, endpoints - 2 * big
+    headless_left = headless - 1
+    every = max(1, rest // headless_left) if headless_left > 0 else 0
+    for i in range(rest):
+        ns, name = f"ns-{i % namespaces}", f"svc-{i}"
+        is_headless = bool(every) and i % every == 0 and headless_left > 0
+        headless_left -= is_headless
+        cip = () if is_headless else (str(ipaddress.ip_address(SERVICE_BASE + 2 + i)),)
+        out.append(("Service", Service(ns, name, CLUSTER_IP, cip, headless=is_headless, ports=(port,))))
+        n = left // rest + (1 if i < left % rest else 0)
+        out.append(("EndpointSlice", EndpointSlice(ns, f"{name}-abcde", name, IPV4, tuple(pods(n, name, ns)), eport)))
+    return out
