@@ -14,7 +14,6 @@ import logging
 import os
 import time
 
-from aiohttp import web
 from prometheus_client import Counter
 
 from . import handover
@@ -27,7 +26,6 @@ from .localdns import LocalDNS, LocalDNSError
 from .localdns import cleanup as localdns_cleanup
 from .metrics import REGISTRY
 from .model import KINDS
-from .proxy.healthcheck import aiohttp_handler
 from .proxy.proxier import Proxier
 from .sources.loader import make_source
 from .state import StateStore
@@ -50,6 +48,9 @@ DNS_START_WAIT = 30.0
 DNS_HANDOVER_WAIT = 120.0
 # At most this long without garbage collections between DNS start and the first sync.
 GC_PAUSE_LIMIT = 120.0
+_UNREAD = object()   # the kernel's ports not read yet (Agent._run_proxier)
+# Health starts before DNS when DNS has not started this long after the source and proxier.
+HEALTH_FIRST_AFTER = 0.3
 
 
 def changed_options(old: Config, new: Config) -> set[str]:
@@ -124,6 +125,9 @@ class Agent:
         self._config_stamp = None
         self._last_local_check = 0.0
         self._adoption_read = asyncio.Event()
+        # The first sync starts once DNS listens, or waits for that sync (see start): its render
+        # would share the interpreter with the DNS start it would delay
+        self._sync_may_start = asyncio.Event()
         self._gc_frozen = False
         self._gc_paused = False   # collections off from DNS start to the first sync (adoption)
 
@@ -164,6 +168,18 @@ class Agent:
         if self.localdns is not None and self.clock() - self._last_local_check > 5.0:
             self._last_local_check = self.clock()
             self._spawn("localdns-check", self._check_localdns())
+
+    def _pause_gc(self) -> None:
+        """With rules adopted from the kernel, DNS answers (soon) while the state is still
+        being built and the first full render may run: no collections until that sync is in
+        (at 10,000 Services each one scanned millions of objects, 0.1-0.7 s holding the GIL,
+        and found no garbage); the first sync freezes what was built and collections resume.
+        Bounded, should it never come."""
+        if self.view.adopting and gc.isenabled():
+            gc.freeze()
+            gc.disable()
+            self._gc_paused = True
+            asyncio.get_running_loop().call_later(GC_PAUSE_LIMIT, self._resume_gc)
 
     def _resume_gc(self) -> None:
         if self._gc_paused:
@@ -225,6 +241,9 @@ class Agent:
         self._spawn("localdns", self.localdns.run())
 
     async def _start_health(self) -> None:
+        from aiohttp import web
+
+        from .proxy.healthcheck import aiohttp_handler
         health = HealthServer(self.cfg, roles=health_roles(self.cfg), reuse_port=True)
         self._add_ready_checks(health)
 
@@ -252,18 +271,57 @@ class Agent:
         else:
             self._adoption_read.set()
 
-    async def _run_proxier(self, proxier: Proxier) -> None:
+    async def _read_kernel_ports(self, proxier: Proxier) -> dict | None:
+        """Restart adoption's first step: the ClusterIP ports whose rules a previous process
+        left in the kernel, without their endpoints (tens of milliseconds), adopted by the
+        view. None when a backend has no such reader; {} when there is nothing to read."""
+        if self.view.applied_version >= 0 or self.view.adopting:
+            return {}
+        ports = await proxier.programmed_ports()
+        if ports:
+            self.view.adopt(ports, proxier.families)
+        return ports
+
+    async def _run_proxier(self, proxier: Proxier, ports: dict | None | object = _UNREAD) -> None:
         """Before the first sync, read what a previous process left in the kernel and let
-        DNS count it as applied (restart adoption); then sync as usual."""
+        DNS count it as applied (restart adoption); then sync as usual.
+
+        Where the backends can, the read is in two steps: the ports alone (ports, when
+        start() read them already; DNS may answer those Services from then on), then
+        every port's endpoints (seconds at 10,000 Services), beside the first sync."""
+        endpoints = None
         try:
-            if self.view.applied_version < 0 and not self.view.adopting:
+            if ports is _UNREAD:
+                ports = await self._read_kernel_ports(proxier)
+            if ports is None and self.view.applied_version < 0 and not self.view.adopting:
                 found = await proxier.programmed()
                 if found:
                     self.view.adopt(found, proxier.families)
                 del found   # this coroutine lives as long as the proxier (~15 MB at 10,000 Services)
+            elif isinstance(ports, dict) and ports:
+                endpoints = asyncio.ensure_future(self._adopt_endpoints(proxier, ports))
+            del ports
         finally:
             self._adoption_read.set()
-        await proxier.run()
+        try:
+            await self._sync_may_start.wait()
+            await proxier.run()
+        finally:
+            if endpoints is not None:
+                endpoints.cancel()
+
+    async def _adopt_endpoints(self, proxier: Proxier, ports: dict) -> None:
+        """The second step of the read, once DNS listens: the endpoints of the ports found,
+        while the first sync has not replaced them. A port the read missed keeps its place,
+        without endpoints."""
+        await self._sync_may_start.wait()
+        try:
+            found = await proxier.programmed()
+        except Exception:   # the Services stay adopted without endpoints until the first sync
+            log.exception("restart adoption: reading the endpoints in the kernel failed")
+            return
+        if self.view.adopting and self.view.applied_version < 0:
+            self.view.adopt({**ports, **found}, proxier.families)
 
     async def _wait_for_dns_start(self, limit: float = DNS_START_WAIT) -> None:
         """Listen for DNS only once the answers can be right, when that is close.
@@ -290,6 +348,7 @@ class Agent:
             # stretches, and half the queries would come here once we listen).
             log.info("another process answers on %s: DNS listens after the first rule sync",
                      ", ".join(f"{h}:{p}" for h, p in self.cfg.listen_addresses()))
+            self._sync_may_start.set()     # DNS waits for that sync
             hand_end = time.monotonic() + DNS_HANDOVER_WAIT
             while self.view.applied_version < 0:
                 if not self._predecessor_answers():
@@ -303,9 +362,11 @@ class Agent:
             if self.view.applied_version >= 0:
                 return
         while time.monotonic() < end:
-            if self.store.current.is_synced("Service", "EndpointSlice") or self.view.applied_version >= 0:
+            # The Services alone: a ClusterIP answer needs no EndpointSlice (headless names
+            # answer SERVFAIL, try again, until theirs are listed too)
+            if self.store.current.is_synced("Service") or self.view.applied_version >= 0:
                 return
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)
         log.warning("Services not listed %gs after start; DNS listens anyway", limit)
 
     def _predecessor_answers(self) -> bool:
@@ -337,21 +398,37 @@ class Agent:
         """Everything up; raises UsageError (bad input) or OSError (an address in use)."""
         self._stopping = asyncio.Event()
         self._config_stamp = _stamp(self.cfg.agent.config_file)
+        # What the kernel holds first: the Services then count as adopted as the source
+        # brings them (one pass over them instead of two; the read is tens of milliseconds).
+        self.proxier = self._make_proxier()
+        ports: dict | None = await self._read_kernel_ports(self.proxier) if self.proxier is not None else {}
+        self._pause_gc()              # the Services are answered as soon as they are read
         self._start_source()          # a broken manifest raises here
-        self._start_proxier()
+        if self.proxier is not None:
+            self._spawn("proxier", self._run_proxier(self.proxier, ports))
+        else:
+            self._adoption_read.set()
         await self._start_localdns()  # before DNS: it listens on these addresses
-        await self._start_health()    # probes are answered (/ready 503) while DNS waits
-        await self._wait_for_dns_start()
-        if self.view.adopting and gc.isenabled():
-            # DNS answers from here on while the first full render may still run: no
-            # collections until it is in (at 10,000 Services each one scanned millions of
-            # objects, 0.1-0.7 s holding the GIL, and found no garbage); the first sync
-            # freezes what was built and collections resume. Bounded, should it never come.
-            gc.freeze()
-            gc.disable()
-            self._gc_paused = True
-            asyncio.get_running_loop().call_later(GC_PAUSE_LIMIT, self._resume_gc)
-        await self._replace_dns()
+        # Health listens before DNS when DNS waits (probes answered, /ready 503 meanwhile),
+        # else right after it: its import (aiohttp) is then not on the way to the first answer.
+        early = asyncio.get_running_loop().call_later(
+            HEALTH_FIRST_AFTER, lambda: self._spawn("health-start", self._start_health()))
+        try:
+            await self._wait_for_dns_start()
+        finally:
+            early.cancel()
+        self._pause_gc()
+        try:
+            await self._replace_dns()
+        finally:
+            self._sync_may_start.set()
+        log.info("DNS listens%s", f" ({self.view.adopted} Services answered from the kernel's rules until "
+                                  "the first sync)" if self.view.adopting else "")
+        health = self._tasks.pop("health-start", None)
+        if health is not None:
+            await health
+        else:
+            await self._start_health()
         if self.cfg.agent.config_file:
             self._spawn("config-watch", self._watch_config())
         if self.corefile is not None and self.corefile.reload is not None:

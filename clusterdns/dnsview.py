@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import time
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping
@@ -68,12 +69,37 @@ def _ready_addresses(slices: tuple[EndpointSlice, ...]) -> set[str]:
     return {a for sl in slices for ep in sl.endpoints if ep.ready for a in ep.addresses}
 
 
+def _canonical_ip(text: str) -> str | None:
+    """The address's canonical text (as the store holds it), or None when it is none."""
+    if ":" not in text:
+        try:
+            if socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, text)) == text:
+                return text      # the common case, without ipaddress (100,000 calls at scale)
+        except OSError:
+            return None
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
+
+
+def _endpoint_ip(endpoint: str) -> str | None:
+    """The address of an "ip:port" or "[ip]:port" endpoint, canonical; None when malformed."""
+    if endpoint[:1] != "[":
+        ip, sep, port = endpoint.rpartition(":")
+        if sep and port.isdigit() and "." in ip:
+            return _canonical_ip(ip)
+    hp = parse_endpoint(endpoint)
+    return hp[0] if hp is not None else None
+
+
 def _filter_slice(sl: EndpointSlice, allowed: set[str] | frozenset[str]) -> EndpointSlice:
     """The slice without ready endpoints the kernel does not route to yet."""
     keep: list[Endpoint] = []
     dropped = False
+    routed = allowed.issuperset    # C loops: 100,000 endpoints when a restart adopts 10,000 Services
     for ep in sl.endpoints:
-        if ep.ready and not all(a in allowed for a in ep.addresses):
+        if ep.ready and not routed(ep.addresses):
             dropped = True
             continue
         keep.append(ep)
@@ -110,8 +136,9 @@ class DnsView:
         self.current = ClusterState()
         self._version = 0
         self._observed: dict[tuple[str, str], float] = {}   # slice key -> last trigger time observed
-        # Restart adoption (before the first sync): ClusterIP -> {(protocol, port): endpoint IPs}
-        self._kernel: dict[str, dict[tuple[str, int], frozenset[str]]] | None = None
+        # Restart adoption (before the first sync): ClusterIP -> {(protocol, port): endpoint IPs,
+        # or None when they were not read}
+        self._kernel: dict[str, dict[tuple[str, int], frozenset[str] | None]] | None = None
         self._kernel_families: frozenset[int] = frozenset()
         self._adopted: set[tuple[str, str]] = set()
         if follow:
@@ -158,31 +185,42 @@ class DnsView:
         """Whether what the kernel held at start still decides (adopt() done, no sync yet)."""
         return self._kernel is not None
 
-    def adopt(self, found: Mapping[tuple[str, str, int], Iterable[str]],
+    def adopt(self, found: Mapping[tuple[str, str, int], Iterable[str] | None],
               families: Iterable[int] = (4, 6)) -> int:
         """Count what a previous process left in the kernel as applied, until the first sync.
 
         found: (ClusterIP, protocol, port) -> "ip:port" endpoints its rules DNAT to
         (protocol in any case, IPv6 endpoints as "[ip]:port"), as the proxier
-        backends' `programmed()` read it. families: those the proxier programs;
-        a Service's ClusterIPs of other families are not looked for. Returns the
-        number of Services adopted. Ignored once a sync was applied (P decides)."""
+        backends' `programmed()` read it, or None when only the port was read
+        (`programmed_ports()`): the Service is shown without ready endpoints until
+        a later adopt() with them, or the first sync. A later call replaces an
+        earlier one. families: those the proxier programs; a Service's ClusterIPs
+        of other families are not looked for. Returns the number of Services
+        adopted. Ignored once a sync was applied (P decides)."""
         if self.follow or self.applied_version >= 0:
             return 0
-        kernel: dict[str, dict[tuple[str, int], frozenset[str]]] = {}
+        kernel: dict[str, dict[tuple[str, int], frozenset[str] | None]] = {}
+        unread = 0
         for (ip, proto, port), eps in found.items():
-            try:
-                addr = str(ipaddress.ip_address(ip))
-            except ValueError:
+            addr = _canonical_ip(ip)
+            if addr is None:
                 continue
-            kernel.setdefault(addr, {})[(str(proto).upper(), int(port))] = frozenset(
-                hp[0] for hp in map(parse_endpoint, eps) if hp is not None)
+            if eps is None:
+                unread += 1
+            kernel.setdefault(addr, {})[(str(proto).upper(), int(port))] = None if eps is None else frozenset(
+                ip for ip in map(_endpoint_ip, eps) if ip is not None)
+        first = self._kernel is None
         self._kernel = kernel
         self._kernel_families = frozenset(families)
         now = self.store.current
         self._recompute(set(now.services) | set(self._services), now)
-        log.info("restart adoption: %d Service ports found in the kernel; %d Services listed so far "
-                 "match them and are answered before the first sync", len(found), len(self._adopted))
+        if first:
+            log.info("restart adoption: %d Service ports found in the kernel%s; %d Services listed so far "
+                     "match them and are answered before the first sync", len(found),
+                     " (endpoints not read yet)" if unread else "", len(self._adopted))
+        else:
+            log.info("restart adoption: endpoints read for %d of %d Service ports in the kernel; %d Services "
+                     "answered before the first sync", len(found) - unread, len(found), len(self._adopted))
         return len(self._adopted)
 
     def _kernel_match(self, svc: Service) -> frozenset[str] | None:
@@ -200,7 +238,8 @@ class DnsView:
                 return None
             checked = True
             for eps in ports.values():
-                allowed |= eps
+                if eps is not None:     # None: not read yet, none shown
+                    allowed |= eps
         return frozenset(allowed) if checked else None
 
     def applied(self, version: int) -> None:

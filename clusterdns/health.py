@@ -28,17 +28,24 @@ import asyncio
 import errno
 import logging
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from . import metrics
 from .config import Config, parse_hostport
+from .lazy import module
+
+if TYPE_CHECKING:
+    from aiohttp import web
+    Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+else:
+    # aiohttp's import (~0.5 s) only once a listener starts: a restarted agent answers DNS first
+    web = module("aiohttp.web")
+    Handler = Callable
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 RETRY_INTERVAL = 5.0   # kube-proxy retries its metrics server this often
 
 

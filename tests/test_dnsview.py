@@ -146,3 +146,22 @@ def test_slices_by_service_kept_per_change_matches_a_rebuild():
     view.applied(store.current.version)
     check()
     assert view.current.slices_for("ns", "a") == ()
+
+
+def test_ports_first_then_their_endpoints():
+    """A restart reads the ports alone first (None: endpoints not read): the Service answers
+    without ready endpoints until they are read, never with one the kernel does not route to."""
+    store = StateStore()
+    view = DnsView(store)
+    view.adopt(dict.fromkeys(KERNEL), families=(4,))
+    listed(store, [svc("same", "10.96.0.5"), svc("moved", "10.96.0.66")],
+           [eps("same", "10.0.0.1", "10.0.0.5")])
+    assert shown_ips(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == []
+    assert shown_ips(view, "moved") is None and view.adopted == 1
+    assert view.adopt({**dict.fromkeys(KERNEL), **KERNEL}, families=(4,)) == 1
+    assert shown_eps(view, "same") == ["10.0.0.1"]          # in both the kernel and the state
+    # a port whose endpoints were not read keeps the Service without them
+    view.adopt({**KERNEL, ("10.96.0.5", "TCP", 80): None}, families=(4,))
+    assert shown_ips(view, "same") == ("10.96.0.5",) and shown_eps(view, "same") == []
+    view.applied(store.current.version)
+    assert shown_eps(view, "same") == ["10.0.0.1", "10.0.0.5"]

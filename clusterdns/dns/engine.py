@@ -252,10 +252,9 @@ class Engine:
     def _first(self, view: ZoneView, data: bytes, end: int, qend: int, key: bytes) -> Entry | None:
         """The first time a zone question is asked in this state version: ZoneView.lookup
         decides, the answer is packed and remembered. None when resolve() must answer
-        (outside the zones, transfers, not synced, big Services, answers that depend on the
-        client or the upstream)."""
-        if not view.synced:
-            return None
+        (outside the zones, transfers, big Services, answers that depend on the client or
+        the upstream; before the state is synced, any answer but NOERROR: a name found is
+        right then too, as a restarted agent finds the Services the kernel routes)."""
         qtype = data[end + 1] << 8 | data[end + 2]
         if qtype == AXFR or qtype == IXFR:
             return None
@@ -271,6 +270,8 @@ class Engine:
         except BigAnswer:
             return None
         if ans.chase is not None or (ans.rcode == NXDOMAIN and not self._nx_memoisable(labels, view)):
+            return None
+        if ans.rcode != NOERROR and not view.synced:
             return None
         entry = self._entry_for(raw, ans, end, view, lower, labels)
         self._remember(view, key, entry)

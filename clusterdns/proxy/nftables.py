@@ -1433,7 +1433,6 @@ _PROGRAMMED_EXPRS = frozenset({"numgen", "lookup", "immediate", "nat"})
 def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, int], frozenset[str]]:
     table = nflink._str(1, n.NFT_TABLE)
     size = 16 if family == 6 else 4
-    protos = {v: k.upper() for k, v in nflink.PROTOS.items()}
 
     unpack = struct.unpack_from
     af = socket.AF_INET6 if family == 6 else socket.AF_INET
@@ -1496,16 +1495,9 @@ def _programmed(family: int, netns: str | None, nflink) -> dict[tuple[str, str, 
                         yield key, value, flags
                     pos = nxt
 
-    # ClusterIP port -> the dispatch chains it goes to
-    ports: dict[tuple[str, str, int], str] = {}
-    for key, value, _ in elements(SERVICE_IPS):
-        if key is None or value is None:
-            continue
-        chain = verdict_chain(value)
-        if chain is None or not chain.startswith(("service-", "local-")):
-            continue    # externalIPs and LB IPs go to external- chains
-        ip = ntop(key[:size])
-        ports[(ip, protos.get(key[size], str(key[size])), int.from_bytes(key[size + 4:size + 6], "big"))] = chain
+    # ClusterIP port -> the dispatch chain it goes to (externalIPs and LB IPs: external- chains)
+    from .readback import service_ips
+    ports = service_ips(family, netns)
     # every rule of the table: (map, offset) of each dnat, the endpoint chains of affinity dispatch
     dnat: dict[str, list[tuple[str, int]]] = {}
     targets: dict[str, list[str]] = {}

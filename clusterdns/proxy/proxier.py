@@ -37,6 +37,7 @@ from .apply import (
     NftExecutor,
     Result,
     SubprocessRunner,
+    netlink_netns,
 )
 from .conntrack import ConntrackCleaner, stale_flows
 from .healthcheck import ProxierHealth, ServiceHealthServers, local_endpoint_counts
@@ -226,6 +227,20 @@ class IptablesBackend:
     async def canary_ok(self) -> bool:
         return await self.exe.canary_exists()
 
+    async def programmed_ports(self) -> set | None:
+        """The ClusterIP ports a previous process left in the kernel, without their endpoints:
+        on the nf_tables backend, KUBE-SERVICES alone over netlink (proxy/readback.py);
+        None where there is no such reader (iptables-legacy, a runner not the kernel's)."""
+        await self.exe.detect_backend(keep_dump=True)
+        netns = netlink_netns(self.exe.runner)
+        if self.exe.backend != "nft" or netns is False:
+            return None
+        from . import nflink, readback
+        try:
+            return await asyncio.to_thread(readback.iptables_nft_ports, self.family, netns)
+        except nflink.NflinkError as exc:
+            raise ApplyError(Result(("nfnetlink",), 1, "", str(exc))) from None
+
     async def programmed(self) -> dict:
         """(ClusterIP, protocol, port) -> "ip:port" endpoints a previous process left in
         the kernel, from one iptables-save (the one the backend choice made, when it
@@ -307,6 +322,18 @@ class NftablesBackend:
             return {}   # a fake or wrapped runner: the kernel is not ours to read
         try:
             return await asyncio.to_thread(nftables.programmed, self.family, netns)
+        except nflink.NflinkError as exc:
+            raise ApplyError(Result(("nfnetlink",), 1, "", str(exc))) from None
+
+    async def programmed_ports(self) -> set | None:
+        """The ClusterIP ports in the kernel, without their endpoints: the service-ips
+        elements alone (proxy/readback.py); None for a runner that is not the kernel's."""
+        from . import nflink, readback
+        netns = self.exe.netlink_netns
+        if netns is False:
+            return None
+        try:
+            return await asyncio.to_thread(readback.nftables_ports, self.family, netns)
         except nflink.NflinkError as exc:
             raise ApplyError(Result(("nfnetlink",), 1, "", str(exc))) from None
 
@@ -456,6 +483,28 @@ class Proxier:
                 log.warning("cannot read the %s rules in the kernel (IPv%d): %s", backend.mode, fam, exc)
                 continue
             out.update(found or {})
+        return out
+
+    async def programmed_ports(self) -> dict | None:
+        """The cheap first half of programmed(): (ClusterIP, protocol, port) -> None (endpoints
+        not read) for every port whose rules a previous process left in the kernel, each
+        backend reading only its per-port entry points (proxy/readback.py). None when a
+        backend has no such reader or it failed: programmed() is then the only way."""
+        if not self.applying:
+            return {}
+        out: dict = {}
+        for fam, backend in self.backends.items():
+            reader = getattr(backend, "programmed_ports", None)
+            if reader is None:
+                return None
+            try:
+                found = await reader()
+            except (ApplyError, OSError, ValueError) as exc:
+                log.warning("cannot read the %s rules in the kernel (IPv%d): %s", backend.mode, fam, exc)
+                return None
+            if found is None:
+                return None
+            out.update(dict.fromkeys(found))
         return out
 
     async def wait_synced(self, version: int = 0, timeout: float | None = None) -> bool:

@@ -19,7 +19,7 @@ from clusterdns.model import (
     Service,
     ServicePort,
 )
-from clusterdns.proxy import nftables
+from clusterdns.proxy import nftables, readback
 from clusterdns.sources.manifest import DEMO_MANIFEST
 from clusterdns.state import state_from_records
 from clusterdns.synthetic import synthetic_records
@@ -563,6 +563,7 @@ def test_programmed_reads_back_the_kernel(netns):
             assert nft(netns, nftables.render(st, c, fam).text).returncode == 0
             got = nftables.programmed(fam, netns=netns)
             assert got == _expected_programmed(st, c, fam)
+            assert readback.nftables_ports(fam, netns) == set(got)     # the ports alone, read first
         # and after incremental changes sent over netlink, as the proxier leaves the table
         states = [state_from_records(r) for r in _mutations()]
         rs = nftables.render(states[0], cfg, 4)
@@ -590,8 +591,11 @@ def test_backend_programmed(netns):
     assert found == _expected_programmed(kube_proxy_state(), KUBE_PROXY_CFG, 4)
     assert found[("172.30.0.45", "TCP", 80)] == {"10.180.0.3:80"}     # the affinity Service
     assert found[("172.30.0.46", "TCP", 80)] == frozenset()           # no endpoints
+    assert asyncio.run(backend.programmed_ports()) == set(found)
+    assert readback.nftables_ports(6, netns) == set()      # no table of that family
     # a runner that is not the kernel's is never read behind its back
     assert asyncio.run(NftablesBackend(RecordingRunner(), KUBE_PROXY_CFG, 4).programmed()) == {}
+    assert asyncio.run(NftablesBackend(RecordingRunner(), KUBE_PROXY_CFG, 4).programmed_ports()) is None
 
 
 def _random_steps(rnd, steps: int):

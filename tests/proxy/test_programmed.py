@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 
@@ -15,7 +16,7 @@ from clusterdns.model import (
     Service,
     ServicePort,
 )
-from clusterdns.proxy import iptables, iptsave, ipvs
+from clusterdns.proxy import iptables, iptsave, ipvs, readback
 from clusterdns.proxy.apply import RecordingRunner, Result, SubprocessRunner
 from clusterdns.proxy.proxier import IptablesBackend, IpvsBackend
 from clusterdns.state import state_from_records
@@ -153,3 +154,57 @@ def test_backend_reads_back_what_a_sync_applied(netns, large, monkeypatch):
     got = asyncio.run(go())
     assert got[4] == EXPECTED4
     assert got[6] == EXPECTED6
+
+
+class _Recording(SubprocessRunner):
+    """The namespace's tools, each command line kept."""
+
+    def __init__(self, ns):
+        super().__init__(prefix=("ip", "netns", "exec", ns))
+        self.argvs = []
+
+    async def run(self, argv, stdin=None):
+        self.argvs.append(tuple(argv))
+        return await super().run(argv, stdin)
+
+
+@requires("iptables-nft-restore", "ip6tables-nft-restore", "iptables-legacy-save")
+def test_ports_read_over_netlink_match_iptables_save(netns):
+    """readback.iptables_nft_ports: KUBE-SERVICES of nat and filter over netlink give the ports
+    iptables-save's reading finds (every family, both layouts); rules that are not one
+    ClusterIP port (a CIDR, a negation, a port range or list) are not taken for one."""
+    state = _state()
+    runner = _Recording(netns)
+
+    async def go():
+        for family in (4, 6):
+            backend = IptablesBackend(runner, CFG, family)
+            assert await backend.programmed_ports() == set()         # nothing there yet
+            await backend.sync(state, None, 0.0)
+            fresh = IptablesBackend(runner, CFG, family)
+            ports = await fresh.programmed_ports()
+            assert ports == set(EXPECTED4 if family == 4 else EXPECTED6)
+            assert ports == set(await fresh.programmed())
+        # the backend was chosen without a dump of nf_tables' rules: legacy holds none
+        assert not [a for a in runner.argvs if a[0] in ("iptables-nft-save", "ip6tables-nft-save") and len(a) == 1]
+
+    asyncio.run(go())
+    ipt = ("ip", "netns", "exec", netns, "iptables-nft", "-t", "nat", "-I", "KUBE-SERVICES")
+    for rule in (["-d", "10.96.0.0/16", "-p", "tcp", "--dport", "80", "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+                 ["!", "-d", "10.96.0.1/32", "-p", "tcp", "--dport", "80", "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+                 ["-d", "10.96.0.2/32", "-p", "tcp", "--dport", "80:90", "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+                 ["-d", "10.96.0.3/32", "-p", "tcp", "-m", "multiport", "--dports", "80,81",
+                  "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+                 ["-d", "10.96.0.4/32", "-p", "udp", "!", "--dport", "53", "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"]):
+        subprocess.run(["ip", "netns", "exec", netns, "iptables-nft", "-t", "nat", "-N", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+                       capture_output=True)
+        subprocess.run([*ipt, *rule], check=True)
+    assert readback.iptables_nft_ports(4, netns) == set(EXPECTED4)
+    # a host firewall's rule in the filter table's KUBE-SERVICES that only accepts
+    subprocess.run(["ip", "netns", "exec", netns, "iptables-nft", "-t", "filter", "-I", "KUBE-SERVICES",
+                    "-d", "10.96.0.9/32", "-p", "tcp", "--dport", "80", "-j", "ACCEPT"], check=True)
+    assert readback.iptables_nft_ports(4, netns) == set(EXPECTED4)
+
+
+def test_no_netlink_reader_for_a_runner_that_is_not_the_kernels():
+    assert asyncio.run(IptablesBackend(RecordingRunner(), CFG, 4).programmed_ports()) is None
