@@ -260,8 +260,10 @@ class Agent:
 
     def _start_source(self, strict: bool = True) -> None:
         # strict at start (a broken manifest is exit 2); not on reload, where a path that
-        # does not exist yet must not end the source: it keeps polling, the last state stays
-        self.source = make_source(self.cfg, self.store, strict=strict)
+        # does not exist yet must not end the source: it keeps polling, the last state stays.
+        # With rules adopted from the kernel, the Services are listed first: DNS answers them then.
+        self.source = make_source(self.cfg, self.store, strict=strict,
+                                  first=("Service",) if self.view.adopting else ())
         self._spawn("source", self.source.run())
 
     def _start_proxier(self) -> None:
@@ -286,10 +288,11 @@ class Agent:
         """Before the first sync, read what a previous process left in the kernel and let
         DNS count it as applied (restart adoption); then sync as usual.
 
-        Where the backends can, the read is in two steps: the ports alone (ports, when
-        start() read them already; DNS may answer those Services from then on), then
-        every port's endpoints (seconds at 10,000 Services), beside the first sync."""
-        endpoints = None
+        Where every backend can, only the ports are read (ports, when start() read them
+        already): their endpoints come with the first sync. Reading them too costs seconds
+        of CPU at 10,000 Services, by which the first sync, which brings them and every
+        change made while no agent ran, would come later. Elsewhere (IPVS, iptables-legacy)
+        the whole read, as before."""
         try:
             if ports is _UNREAD:
                 ports = await self._read_kernel_ports(proxier)
@@ -298,30 +301,11 @@ class Agent:
                 if found:
                     self.view.adopt(found, proxier.families)
                 del found   # this coroutine lives as long as the proxier (~15 MB at 10,000 Services)
-            elif isinstance(ports, dict) and ports:
-                endpoints = asyncio.ensure_future(self._adopt_endpoints(proxier, ports))
             del ports
         finally:
             self._adoption_read.set()
-        try:
-            await self._sync_may_start.wait()
-            await proxier.run()
-        finally:
-            if endpoints is not None:
-                endpoints.cancel()
-
-    async def _adopt_endpoints(self, proxier: Proxier, ports: dict) -> None:
-        """The second step of the read, once DNS listens: the endpoints of the ports found,
-        while the first sync has not replaced them. A port the read missed keeps its place,
-        without endpoints."""
         await self._sync_may_start.wait()
-        try:
-            found = await proxier.programmed()
-        except Exception:   # the Services stay adopted without endpoints until the first sync
-            log.exception("restart adoption: reading the endpoints in the kernel failed")
-            return
-        if self.view.adopting and self.view.applied_version < 0:
-            self.view.adopt({**ports, **found}, proxier.families)
+        await proxier.run()
 
     async def _wait_for_dns_start(self, limit: float = DNS_START_WAIT) -> None:
         """Listen for DNS only once the answers can be right, when that is close.

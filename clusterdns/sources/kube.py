@@ -117,6 +117,7 @@ def _transport(conf: Any) -> Transport:
 
 
 TOKEN_REFRESH_INTERVAL = 60.0   # seconds between checks of an exec-plugin or GCP token
+FIRST_WAIT = 10.0               # at most this long for the `first` kinds' lists (KubeSource)
 
 
 async def _token_refresher(loader: Any, conf: Any) -> None:
@@ -147,9 +148,10 @@ class KubeSource:
     kubeconfig is a UsageError from the constructor (exit code 2).
     """
 
-    def __init__(self, cfg: Config, store: StateStore, **options: Any) -> None:
+    def __init__(self, cfg: Config, store: StateStore, first: tuple[str, ...] = (), **options: Any) -> None:
         self.cfg = cfg
         self.store = store
+        self.first = first    # kinds listed before the others start (see run)
         self.options = Options(**options)
         self.resources = resources_for(cfg)
         self.synced = asyncio.Event()
@@ -185,7 +187,9 @@ class KubeSource:
         if unwatched:
             self.store.mark_synced(*unwatched)
         log.info("watching %s at %s", ", ".join(r.name for r in self.resources), self.host)
-        tasks = [asyncio.create_task(ref.run(), name=f"reflector-{name}")
+        first = [ref for ref in self.reflectors.values() if ref.res.kind in self.first]
+        tasks = [asyncio.create_task(ref.run() if not first or ref in first else self._after(first, ref),
+                                     name=f"reflector-{name}")
                  for name, ref in self.reflectors.items()]
         tasks.append(asyncio.create_task(self.health.run(), name="kube-probe"))
         tasks.append(asyncio.create_task(self._wait_synced(), name="kube-synced"))
@@ -199,6 +203,17 @@ class KubeSource:
             batcher.flush()
             await transport.close()
             await probe_transport.close()
+
+    @staticmethod
+    async def _after(first: list[Reflector], ref: Reflector) -> None:
+        """ref's list+watch once `first` are listed (at most FIRST_WAIT seconds): a restarted
+        agent answers a Service whose rules are in the kernel as soon as the Services are
+        listed, sooner when the EndpointSlices' pages do not share the loop with theirs."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(f.synced.wait() for f in first)), FIRST_WAIT)
+        except asyncio.TimeoutError:
+            pass
+        await ref.run()
 
     async def _wait_synced(self) -> None:
         await asyncio.gather(*(ref.synced.wait() for ref in self.reflectors.values()))

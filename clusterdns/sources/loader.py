@@ -23,17 +23,18 @@ def load_once(cfg: Config) -> ClusterState:
     return store.current
 
 
-def make_source(cfg: Config, store: StateStore, strict: bool = True):
+def make_source(cfg: Config, store: StateStore, strict: bool = True, first: tuple[str, ...] = ()):
     """A long-running source with `run()` (a coroutine) feeding the store.
 
     strict (a command's start): manifest files are read once up front, so that
     an unreadable file is a usage error (exit 2), not a silent empty cluster.
     Not strict (a reload): nothing is read here; the source keeps polling, and
     the store keeps the last good state until every file has loaded.
+    first: kinds a cluster source lists before the others (a manifest is read whole).
     """
     if cfg.source.kubeconfig:
         from .kube import KubeSource
-        return KubeSource(cfg, store)
+        return KubeSource(cfg, store, first=first)
     source = ManifestSource(store, manifest_paths(cfg), limits=limits_from(cfg.source))
     if strict:
         source.load(strict=True)  # raises ManifestError

@@ -91,6 +91,23 @@ async def test_initial_list_is_paginated_and_published(api, kubeconfig):
     assert watch["resourceVersion"] == str(api.resource_version)
 
 
+async def test_first_kinds_are_listed_before_the_others(api, kubeconfig):
+    """first=("Service",) (a restarted agent with rules in the kernel): the Services' pages all
+    come before any other list, and are in the store before the rest is listed."""
+    for i in range(23):
+        api.add(service("bulk", f"s{i:02d}", f"10.0.1.{i + 1}"))
+    store = StateStore()
+    seen: list[frozenset] = []
+    store.subscribe(lambda old, new, delta: seen.append(new.synced))
+    async with running(config(kubeconfig), store, page_size=10, first=("Service",)) as src:
+        await asyncio.wait_for(src.synced.wait(), 5)
+    lists = [r for r in api.requests if r.verb == "list"]
+    assert [r.resource for r in lists[:3]] == ["services"] * 3
+    assert {r.resource for r in lists[3:]} == {"endpointslices", "namespaces"}
+    assert lists[3].time >= lists[2].time
+    assert any("Service" in s and "EndpointSlice" not in s for s in seen)   # published on their own
+
+
 async def test_adds_updates_deletes_arrive(api, kubeconfig):
     store = StateStore()
     before = sample("clusterdns_kube_watch_events_total", resource="services", type="MODIFIED")
