@@ -22,6 +22,32 @@ log = logging.getLogger("clusterdns.agent")
 
 async def serve(cfg: Config, argv: list[str] | None) -> int:
     agent = Agent(cfg, argv=argv)
+    loop = asyncio.get_running_loop()
+    signals = {"n": 0}
+    started = False
+    reload_asked = False
+
+    def on_stop() -> None:
+        signals["n"] += 1
+        if signals["n"] > 1:
+            log.warning("second signal: exiting now")
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            return
+        agent.begin_shutdown()
+
+    def on_hup() -> None:
+        nonlocal reload_asked
+        if started:
+            asyncio.ensure_future(agent.reload())
+        else:
+            reload_asked = True     # once the start is done
+
+    # Signals are taken from the start: DNS may answer before it is over (health listens
+    # after DNS), and a SIGTERM then still gets its lameduck and exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         await agent.start()
     except OSError as exc:            # an address in use or not local
@@ -34,22 +60,10 @@ async def serve(cfg: Config, argv: list[str] | None) -> int:
     except BaseException:
         await agent.stop()
         raise
+    started = True
     print(agent.banner(), file=sys.stderr, flush=True)
-    loop = asyncio.get_running_loop()
-    signals = {"n": 0}
-
-    def on_stop() -> None:
-        signals["n"] += 1
-        if signals["n"] > 1:
-            log.warning("second signal: exiting now")
-            for task in asyncio.all_tasks(loop):
-                task.cancel()
-            return
-        agent.begin_shutdown()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop)
-    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(agent.reload()))
+    if reload_asked:
+        asyncio.ensure_future(agent.reload())
     try:
         return await agent.wait()
     except asyncio.CancelledError:

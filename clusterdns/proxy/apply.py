@@ -174,20 +174,6 @@ def _with_listing(section: str, min_chains: int) -> str:
     return section[:first] + "".join(early) + "".join(base) + "\n-S" + decls + body
 
 
-def netlink_netns(runner: CommandRunner) -> "str | None | Literal[False]":
-    """Where netlink requests for this runner's kernel may go: None (this process's
-    namespace), a namespace name (a runner prefixed `ip netns exec NAME`), or False (a
-    fake or other runner: never touch the kernel behind its back)."""
-    if not isinstance(runner, SubprocessRunner):
-        return False
-    p = runner.prefix
-    if not p:
-        return None
-    if len(p) == 4 and p[:3] == ("ip", "netns", "exec"):
-        return p[3]
-    return False
-
-
 class IptablesExecutor:
     """iptables-restore / iptables-save for one family and one backend (nft or legacy)."""
 
