@@ -386,7 +386,7 @@ class _UdpReceiver:
                               0, addr)
 
     def _main(self) -> None:
-        io = None if self.pktinfo else _Mmsg.make(self.sock)
+        io = _Mmsg.make(self.sock, self.pktinfo)
         if io is None:
             self._run()
         else:
@@ -447,6 +447,10 @@ class _UdpReceiver:
         receive, headers, send, addr_of, point = io.receive, io.headers, io.send, io.addr_of, io.point
         rmv, smv, slot, trunc = io.rmv, io.smv, io.SLOT, io.MSG_TRUNC
         set_len, siov, iov_size, iov_len_at = io.size_t, io.siovmv, io.iov_size, io.iov_len_at
+        # a wildcard socket: each reply leaves from the address its query was sent to
+        pk, rctl, sctl, ctl, space, dst_at, src_at, alen = (io.pktinfo, io.rctl, io.sctl, io.CTL, io.ctl_space,
+                                                            io.dst_at, io.src_at, io.alen)
+        nowhere = bytes(alen)
         while True:
             got = receive()
             if got <= 0:
@@ -456,7 +460,7 @@ class _UdpReceiver:
             started = perf_counter()
             j = 0                 # replies queued: reply j answers datagram i (j <= i)
             with lock:
-                for i, (flags, n) in enumerate(headers(got)):
+                for i, (cl, flags, n) in enumerate(headers(got)):
                     if not n or flags & trunc:   # a wake-up, shutdown, an empty or oversized datagram
                         if self._woken():
                             io.n = j
@@ -468,20 +472,28 @@ class _UdpReceiver:
                     try:
                         reply = fast(data, False)
                     except Exception:
-                        self._failed(data, addr_of(i), started)
+                        self._failed(data, addr_of(i), started, io.destination(i, cl) if pk else None)
                         continue
                     if reply is None or len(reply) > slot:
-                        call(slow, self, data, addr_of(i), started)
+                        call(slow, self, data, addr_of(i), started, io.destination(i, cl) if pk else None)
                         continue
                     at, m = j * slot, len(reply)
                     smv[at:at + m] = reply
                     set_len(siov, j * iov_size + iov_len_at, m)
                     if j != i:
                         point(j, i)
+                    if pk:
+                        at = j * ctl + src_at
+                        if cl == space:     # the kernel's IP(V6)_PKTINFO, the one message asked for
+                            sctl[at:at + alen] = rctl[i * ctl + dst_at:i * ctl + dst_at + alen]
+                        else:
+                            sctl[at:at + alen] = nowhere      # no source asked: the kernel's choice
                     j += 1
                     count(data, reply, started, parts.part)
             io.n = j
             send()
+            if pk:
+                io.rearm(got)
             if len(local.udp) >= near_full:      # odd traffic: let the loop fold it
                 self._handoff()
                 call(self.drain_into, self.stats)
@@ -516,16 +528,18 @@ class _Mmsg:
     MSG_WAITFORONE = 0x10000
     MSG_TRUNC = 0x20
 
+    CTL = 64        # control bytes per datagram: one in(6)_pktinfo message fits
+
     @classmethod
-    def make(cls, sock: socket.socket) -> "_Mmsg | None":
+    def make(cls, sock: socket.socket, pktinfo: bool = False) -> "_Mmsg | None":
         if os.environ.get("CLUSTERDNS_RECVMMSG", "1") == "0":     # the benchmark's comparison
             return None
         try:
-            return cls(sock)
+            return cls(sock, pktinfo)
         except (OSError, AttributeError, ImportError):   # no such libc calls here
             return None
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, pktinfo: bool = False) -> None:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         c = ctypes
@@ -552,7 +566,7 @@ class _Mmsg:
                              c.create_string_buffer(N * NAME))
         riov, siov = (iovec * N)(), (iovec * N)()
         rh, sh = (mmsghdr * N)(), (mmsghdr * N)()
-        self._keep = (rbuf, sbuf, names, riov, siov, rh, sh)      # the kernel writes into these
+        self._keep: tuple = (rbuf, sbuf, names, riov, siov, rh, sh)      # the kernel writes into these
         for i in range(N):
             riov[i].base, riov[i].len = c.addressof(rbuf) + i * SLOT, SLOT
             siov[i].base = c.addressof(sbuf) + i * SLOT
@@ -568,8 +582,10 @@ class _Mmsg:
         self.iov_len_at, self.iov_size = iovec.len.offset, c.sizeof(iovec)
         self.ptr = struct.Struct("P").pack_into
         self.size_t = struct.Struct("N").pack_into
-        # (msg_flags, msg_len) of each received mmsghdr, one call per batch
-        hdr = struct.Struct(f"{self.flags_at}x i {self.len_at - self.flags_at - 4}x I {self.size - self.len_at - 4}x")
+        # (msg_controllen, msg_flags, msg_len) of each received mmsghdr, one call per batch
+        ctl_at = msghdr.controllen.offset
+        hdr = struct.Struct(f"{ctl_at}x N {self.flags_at - ctl_at - c.sizeof(c.c_size_t)}x i "
+                            f"{self.len_at - self.flags_at - 4}x I {self.size - self.len_at - 4}x")
         if hdr.size != self.size:
             raise OSError("unexpected struct mmsghdr layout")
         self._hdr = hdr
@@ -578,6 +594,44 @@ class _Mmsg:
             sh[i].hdr.name = c.addressof(names) + i * NAME
         self._pointed: list[int] = []
         self.n = 0      # replies queued for send()
+        # A wildcard socket (pktinfo): each datagram's IP(V6)_PKTINFO is received into its
+        # control slot, and each reply carries one naming its source (the address asked).
+        self.pktinfo = pktinfo
+        self.ctl_space = self.dst_at = self.src_at = 0
+        self.alen = 4 if sock.family == socket.AF_INET else 16
+        rctl = sctl = c.create_string_buffer(1)
+        if pktinfo:
+            CTL = self.CTL
+            v4 = sock.family == socket.AF_INET
+            size = 12 if v4 else 20                 # struct in_pktinfo / in6_pktinfo
+            level, kind = (socket.IPPROTO_IP, IP_PKTINFO) if v4 else (socket.IPPROTO_IPV6, socket.IPV6_PKTINFO)
+            head = socket.CMSG_LEN(0)
+            self.ctl_space = socket.CMSG_SPACE(size)
+            # in_pktinfo: ifindex, spec_dst, addr (the header's destination); in6_pktinfo: addr, ifindex
+            self.dst_at, self.src_at = (head + 8, head + 4) if v4 else (head, head)
+            rctl, sctl = c.create_string_buffer(N * CTL), c.create_string_buffer(N * CTL)
+            cmsg = struct.pack("@Nii", socket.CMSG_LEN(size), level, kind)
+            if len(cmsg) != head or self.ctl_space > CTL:
+                raise OSError("unexpected struct cmsghdr layout")
+            for i in range(N):
+                rh[i].hdr.control, rh[i].hdr.controllen = c.addressof(rctl) + i * CTL, CTL
+                sh[i].hdr.control, sh[i].hdr.controllen = c.addressof(sctl) + i * CTL, self.ctl_space
+                c.memmove(c.addressof(sctl) + i * CTL, cmsg, len(cmsg))
+        self._keep += (rctl, sctl)
+        self.rctl, self.sctl = memoryview(rctl).cast("B"), memoryview(sctl).cast("B")
+        self._armed = bytes(self.rhmv)     # the receive headers as the kernel must find them
+
+    def rearm(self, got: int) -> None:
+        """The first `got` receive headers as set up again (the kernel wrote the lengths of what
+        it received into them: name, control)."""
+        self.rhmv[:got * self.size] = self._armed[:got * self.size]
+
+    def destination(self, i: int, controllen: int) -> bytes | None:
+        """The packed address datagram i was sent to (pktinfo), None when the kernel did not say."""
+        if controllen != self.ctl_space:
+            return None
+        at = i * self.CTL + self.dst_at
+        return bytes(self.rctl[at:at + self.alen])
 
     def receive(self) -> int:
         """Block until at least one datagram is waiting; how many were read (<= 0: an error)."""
