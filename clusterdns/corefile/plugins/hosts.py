@@ -43,10 +43,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 import socket
 import stat
+import struct
+import subprocess
+import sys
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -105,31 +110,160 @@ class Table:
     def get(self, kind: str, key: str) -> str | None:
         return getattr(self, kind)[hash(key) & MASK].get(key)
 
+    def has(self, name: str) -> bool:
+        h = hash(name) & MASK
+        return name in self.v4[h] or name in self.v6[h]
+
     def keys(self, kind: str) -> list[str]:
         return [k for d in getattr(self, kind) for k in d]
+
+
+# A big file is parsed in a child process, which hands back the result packed in a memfd that
+# this process maps (PackedTable): the parse holds no lock of ours (a thread of this process
+# parsing holds the GIL, and on a busy machine the kernel preempts it while it does: the receive
+# threads and the event loop then wait for it, 0.1-0.4 s at a time), and the old data goes in
+# one munmap and close, which release the GIL, not as millions of objects freed under it (0.4 s
+# per 200,000 lines). Lookups cost ~1 us more than a dict's.
+BIG = 256 * 1024    # bytes: files up to this are parsed in this process (a few ms)
+RELOAD_NICE = 10    # the child's nice increment on a reload
+
+_HEAD = struct.Struct("=4sQQQQQQ")   # magic, names mask, ptr mask, skipped, wild, empty, entries
+_MAGIC = b"CDH1"
+_U32 = struct.Struct("=I")
+
+
+class PackedTable:
+    """A Table packed by pack(): two open-addressing hash tables (crc32, linear probing) of
+    uint32 offsets into the buffer. A name's record is `len name len v4 len v6`, an address's
+    `len address len names` (u8 key length, u32 value lengths, values space-joined)."""
+
+    def __init__(self, buf: bytes | mmap.mmap) -> None:
+        magic, nmask, pmask, self.skipped, wild, empty, self.entries = _HEAD.unpack_from(buf, 0)
+        if magic != _MAGIC:
+            raise ValueError("not a packed hosts table")
+        self.wild, self.empty = bool(wild), bool(empty)
+        self.buf = buf
+        view = memoryview(buf)
+        at = _HEAD.size
+        self.nslots = view[at:at + 4 * (nmask + 1)].cast("I")
+        at += 4 * (nmask + 1)
+        self.pslots = view[at:at + 4 * (pmask + 1)].cast("I")
+        self.nmask, self.pmask = nmask, pmask
+
+    def __len__(self) -> int:
+        return self.entries
+
+    def _find(self, slots, mask: int, key: str) -> int:
+        """The offset just past `key` in its record, or -1."""
+        if not key.isascii():
+            return -1
+        k = key.encode()
+        n, buf = len(k), self.buf
+        i = zlib.crc32(k) & mask
+        while True:
+            off = slots[i]
+            if not off:
+                return -1
+            if buf[off] == n and buf[off + 1:off + 1 + n] == k:
+                return off + 1 + n
+            i = (i + 1) & mask
+
+    def _value(self, at: int) -> tuple[str | None, int]:
+        n = _U32.unpack_from(self.buf, at)[0]
+        return (self.buf[at + 4:at + 4 + n].decode() if n else None), at + 4 + n
+
+    def has(self, name: str) -> bool:
+        return self._find(self.nslots, self.nmask, name) >= 0
+
+    def get(self, kind: str, key: str) -> str | None:
+        if kind == "ptr":
+            at = self._find(self.pslots, self.pmask, key)
+            return None if at < 0 else self._value(at)[0]
+        at = self._find(self.nslots, self.nmask, key)
+        if at < 0:
+            return None
+        v4, at = self._value(at)
+        return v4 if kind == "v4" else self._value(at)[0]
+
+    def keys(self, kind: str) -> list[str]:
+        slots = self.pslots if kind == "ptr" else self.nslots
+        out = []
+        for off in slots:
+            if off:
+                n = self.buf[off]
+                key = self.buf[off + 1:off + 1 + n].decode()
+                if self.get(kind, key) is not None:
+                    out.append(key)
+        return out
+
+
+def _slots(count: int) -> int:
+    """A power of two at least twice `count` (probes stay short)."""
+    n = 8
+    while n < 2 * count:
+        n *= 2
+    return n
+
+
+def pack(t: Table) -> bytes:
+    """`t` as PackedTable reads it."""
+    names: dict[str, None] = {}
+    for maps in (t.v4, t.v6):
+        for d in maps:
+            names.update(dict.fromkeys(d))
+    addresses = [k for d in t.ptr for k in d]
+    nslots, pslots = _slots(len(names)), _slots(len(addresses))
+    out = bytearray(_HEAD.pack(_MAGIC, nslots - 1, pslots - 1, t.skipped, t.wild, t.empty, len(t)))
+    base = len(out)
+    out += bytes(4 * (nslots + pslots))
+    slots = memoryview(out)[base:].cast("I")   # both arrays; released before `out` grows
+
+    def place(first: int, mask: int, key: bytes, at: int) -> None:
+        i = zlib.crc32(key) & mask
+        while slots[first + i]:
+            i = (i + 1) & mask
+        slots[first + i] = at
+
+    records = bytearray()
+    start = len(out)
+    u32 = _U32.pack
+    for name in names:
+        k = name.encode()
+        place(0, nslots - 1, k, start + len(records))
+        v4 = t.get("v4", name) or ""
+        v6 = t.get("v6", name) or ""
+        records += bytes((len(k),)) + k + u32(len(v4)) + v4.encode() + u32(len(v6)) + v6.encode()
+    for address in addresses:
+        k = address.encode()
+        place(nslots, pslots - 1, k, start + len(records))
+        v = (t.get("ptr", address) or "").encode()
+        records += bytes((len(k),)) + k + u32(len(v)) + v
+    slots.release()
+    if start + len(records) >= 1 << 32:
+        raise OSError(errno.EFBIG, "hosts file too big (its table passes 4 GiB)")
+    out += records
+    return bytes(out)
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """What the plugin answers from: the file's table and the inline one, looked up in
     that order (CoreDNS keeps the two apart and concatenates)."""
-    file: Table
+    file: Table | PackedTable
     inline: Table
 
     def owner(self, name: str) -> str | None:
         """The entry that answers for `name`: itself, or the wildcard one label up; None.
         (On the receive threads' path for every name: the common cases look up little.)"""
         f, i = self.file, self.inline
-        h = hash(name) & MASK
-        if name in f.v4[h] or name in f.v6[h] or not i.empty and (name in i.v4[h] or name in i.v6[h]):
+        if not f.empty and f.has(name) or not i.empty and i.has(name):
             return name
         if not (f.wild or i.wild):
             return None
         dot = name.find(".")
         if 0 <= dot < len(name) - 1:
             wild = "*" + name[dot:]
-            h = hash(wild) & MASK
-            if wild in f.v4[h] or wild in f.v6[h] or wild in i.v4[h] or wild in i.v6[h]:
+            if f.has(wild) or i.has(wild):
                 return wild
         return None
 
@@ -276,9 +410,10 @@ def reverse_address(qname: str) -> str | None:
     return got[1] if got else None
 
 
-def _read(path: str, origins: list[str], reverse: bool) -> tuple[Table, tuple[int, int]]:
+def _read(path: str, origins: list[str], reverse: bool,
+          nice: int = 0) -> tuple[Table | PackedTable, tuple[int, int]]:
     """The file parsed, and its (mtime_ns, size) as read (fstat of the open file, so they
-    agree). Read line by line: no single long call holds the GIL over a big file."""
+    agree). Line by line here, or in a child process (at `nice`) when it is big."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not block the open
     try:
         st = os.fstat(fd)
@@ -286,13 +421,82 @@ def _read(path: str, origins: list[str], reverse: bool) -> tuple[Table, tuple[in
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         if not stat.S_ISREG(st.st_mode):   # a FIFO, /dev/zero: never read
             raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > BIG:
+            try:
+                return _read_apart(fd, origins, reverse, nice), (st.st_mtime_ns, st.st_size)
+            finally:
+                os.close(fd)
         fh = open(fd, encoding="utf-8", errors="replace")
     except BaseException:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
         raise
     with fh:
         table = parse(fh, origins, reverse)
     return table, (st.st_mtime_ns, st.st_size)
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_CHILD = "import sys; from clusterdns.corefile.plugins.hosts import _child; _child(sys.argv[1:])"
+
+
+def _read_apart(fd: int, origins: list[str], reverse: bool, nice: int = 0) -> PackedTable:
+    """The open file `fd` parsed and packed by a child process (blocking: a worker thread's,
+    or setup's) into a memfd this process maps: nothing is copied here, and when the table
+    goes its pages are freed by munmap/close, which run without the GIL."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    os.lseek(fd, 0, os.SEEK_SET)
+    out = os.memfd_create("clusterdns-hosts", os.MFD_CLOEXEC)
+    try:
+        with subprocess.Popen([sys.executable, "-c", _CHILD, str(fd), str(out), str(nice), "1" if reverse else "0",
+                               *origins],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              pass_fds=(fd, out), env=env) as proc:
+            assert proc.stderr is not None
+            err = proc.stderr.read().decode(errors="replace").strip()
+            code = proc.wait()
+        size = os.fstat(out).st_size
+        if code != 0 or size < _HEAD.size:
+            raise OSError(errno.EIO, f"parsing in a child process failed ({err.splitlines()[-1] if err else code})")
+        return PackedTable(mmap.mmap(out, size, prot=mmap.PROT_READ))    # (holds its own dup of `out`)
+    finally:
+        os.close(out)
+
+
+def _child(argv: list[str]) -> None:
+    """The child's side of _read_apart: parse the file on fd argv[0], write the packed table
+    to the memfd on argv[1]; argv[2] is its nice increment."""
+    fd, out, nice, reverse, origins = int(argv[0]), int(argv[1]), int(argv[2]), argv[3] == "1", argv[4:]
+    os.nice(nice)
+    with open(fd, encoding="utf-8", errors="replace") as fh:
+        table = parse(fh, origins, reverse)
+    packed = pack(table)
+    del table
+    with open(out, "wb") as fh:
+        fh.write(packed)
+
+
+# Tables in use, by what they were read from: a Corefile reload sets every plugin up again (the
+# reload plugin does so every 30 s to compare digests), and an unchanged big file must not be
+# parsed each time. Tables are never changed once built, so plugins may share one.
+_tables: "weakref.WeakValueDictionary[tuple, Table | PackedTable]" = weakref.WeakValueDictionary()
+
+
+def _read_shared(path: str, origins: list[str], reverse: bool,
+                 nice: int = 0) -> tuple[Table | PackedTable, tuple[int, int]]:
+    """_read, or the table a plugin already holds of the file as it is now (same mtime and size)."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, tuple(origins), reverse)
+    table = _tables.get(key)
+    if table is not None:
+        return table, (st.st_mtime_ns, st.st_size)
+    table, stamp = _read(path, origins, reverse, nice)
+    if stamp == (st.st_mtime_ns, st.st_size):
+        _tables[key] = table
+    return table, stamp
 
 
 _live: "weakref.WeakSet[Hosts]" = weakref.WeakSet()
@@ -346,7 +550,7 @@ class Hosts(Plugin):
     def load_initial(self) -> None:
         """Read the file at setup: missing is a warning (CoreDNS), unreadable an error (raised)."""
         try:
-            table, stamp = _read(self.path, self.origins, self.reverse)
+            table, stamp = _read_shared(self.path, self.origins, self.reverse)
         except FileNotFoundError:
             log.warning("plugin/hosts: %s: file does not exist (serving inline entries until it appears)",
                         self.path)
@@ -363,7 +567,10 @@ class Hosts(Plugin):
             st = os.stat(self.path)
             if self._stamp == (st.st_mtime_ns, st.st_size):
                 return False
-            table, stamp = _read(self.path, self.origins, self.reverse)
+            # a reload is background work: while it runs the old data answers, and a child at
+            # nice 0 on a busy machine takes the CPU from the threads answering (0.2-0.5 s gaps
+            # at load 9 on 2 CPUs; the setup's first read, which everything waits for, is not niced)
+            table, stamp = _read_shared(self.path, self.origins, self.reverse, RELOAD_NICE)
         except OSError as exc:
             if not self._read_failing:
                 log.warning("plugin/hosts: %s: %s (keeping the last data)", self.path,
