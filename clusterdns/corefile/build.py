@@ -66,6 +66,14 @@ class Corefile:
         for p in self.plugins:
             await p.start()
 
+    def wait_loaded(self) -> None:
+        """Block until every plugin's data is read (a big hosts file is read in the background
+        and its block's queries wait for it): a reload swaps in a Corefile ready to answer."""
+        for p in self.plugins:
+            wait = getattr(p, "wait_loaded", None)
+            if wait is not None:
+                wait()
+
     async def stop(self) -> None:
         for p in self.plugins:
             try:

@@ -36,6 +36,7 @@ class Reloader:
         if new.digest == self.current.digest:
             return False
         try:
+            await asyncio.to_thread(new.wait_loaded)
             await self.apply(new)
         except Exception as exc:
             return self._failed("could not serve the changed Corefile", exc)

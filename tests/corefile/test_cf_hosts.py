@@ -431,7 +431,7 @@ def test_a_big_file_parsed_apart_reads_what_setup_would(tmp_path, monkeypatch):
     text = GO_HOSTS + "10.1.2.3 only.example\n"
     monkeypatch.setattr(hostsmod, "BIG", 10)
     h = make("hosts h miek.nl example {\n no_reverse\n fallthrough\n}", tmp_path, files={"h": text})
-    assert isinstance(h.data.file, hostsmod.PackedTable)
+    assert h.wait_loaded(30) and isinstance(h.data.file, hostsmod.PackedTable)
     _same(hostsmod.parse(text, ["miek.nl.", "example."], reverse=False), h.data.file)
     assert h.data.file.get("v4", "only.example.") == "10.1.2.3"
 

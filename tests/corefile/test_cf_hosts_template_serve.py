@@ -170,3 +170,49 @@ async def test_aks_localdns_corefile_hosts_and_templates_on_both_listeners(tmp_p
             r = await s.ask("example.com.", "A", host=host)
             assert answers(r) == ["example.com. A 93.184.216.34"]
         assert not any(q[1] in ("mcr.microsoft.com.", "reddog.microsoft.com.") for q in upstream.received)
+
+
+async def test_a_big_hosts_file_loading_at_start_holds_its_block_only(tmp_path, monkeypatch):
+    """A big file is read in the background at setup: another block answers at once; the hosts
+    block's questions (cluster names behind it included) wait for the file, then get its answer."""
+    import threading
+
+    from clusterdns.corefile.plugins import hosts as hostsmod
+    release = threading.Event()
+    real = hostsmod._read_apart
+
+    def slow(*a, **k):
+        release.wait(30)
+        return real(*a, **k)
+    monkeypatch.setattr(hostsmod, "_read_apart", slow)
+    body = "10.7.7.7 big.hosts.example\n" + "".join(f"10.1.{i >> 8 & 255}.{i & 255} h{i}.hosts.example\n"
+                                                    for i in range(20_000))
+    assert len(body) > hostsmod.BIG
+    text = """.:{PORT} {
+    bind 127.0.0.1
+    hosts big {
+        fallthrough
+    }
+    kubernetes cluster.local in-addr.arpa ip6.arpa
+}
+other.example:{PORT} {
+    bind 127.0.0.1
+    template IN A other.example {
+        answer "{{ .Name }} 60 IN A 192.0.2.99"
+    }
+}
+"""
+    async with CorefileServer(text, tmp_path, files={"big": body}) as s:
+        r = await s.ask("www.other.example", "A")
+        assert answers(r) == ["www.other.example. A 192.0.2.99"]
+        held = [asyncio.ensure_future(s.ask(n, "A", timeout=10)) for n in ("big.hosts.example", SVC)]
+        await asyncio.sleep(0.5)
+        assert not any(t.done() for t in held)                   # waiting, not answered wrongly
+        assert answers(await s.ask("x.other.example", "A")) == ["x.other.example. A 192.0.2.99"]
+        release.set()
+        big, svc = await asyncio.gather(*held)
+        assert answers(big) == ["big.hosts.example. A 10.7.7.7"]
+        assert svc.rcode() == dns.rcode.NOERROR and answers(svc) == [f"{SVC} A 172.20.36.232"]
+        # loaded: the memo's path again for the cluster name
+        hosts = next(p for b in s.corefile.blocks for p in b.plugins if p.name == "hosts")
+        assert hosts.loaded.is_set() and hosts.transparent(SVC, 1)

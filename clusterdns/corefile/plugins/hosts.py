@@ -50,6 +50,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -410,10 +411,8 @@ def reverse_address(qname: str) -> str | None:
     return got[1] if got else None
 
 
-def _read(path: str, origins: list[str], reverse: bool,
-          nice: int = 0) -> tuple[Table | PackedTable, tuple[int, int]]:
-    """The file parsed, and its (mtime_ns, size) as read (fstat of the open file, so they
-    agree). Line by line here, or in a child process (at `nice`) when it is big."""
+def _open(path: str) -> int:
+    """The file opened for reading; OSError when it is not a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not block the open
     try:
         st = os.fstat(fd)
@@ -421,6 +420,24 @@ def _read(path: str, origins: list[str], reverse: bool,
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         if not stat.S_ISREG(st.st_mode):   # a FIFO, /dev/zero: never read
             raise OSError(errno.EINVAL, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _read(path: str, origins: list[str], reverse: bool,
+          nice: int = 0) -> tuple[Table | PackedTable, tuple[int, int]]:
+    """The file parsed, and its (mtime_ns, size) as read (fstat of the open file, so they
+    agree). Line by line here, or in a child process (at `nice`) when it is big."""
+    fd = _open(path)
+    try:
+        st = os.fstat(fd)
         if st.st_size > BIG:
             try:
                 return _read_apart(fd, origins, reverse, nice), (st.st_mtime_ns, st.st_size)
@@ -544,21 +561,65 @@ class Hosts(Plugin):
         self._task: asyncio.Task | None = None
         inline_table = parse("\n".join(inline), origins, reverse)
         self.data = Snapshot(Table(), inline_table)
+        # set once the file's first read is done: until then this plugin's queries wait (a big
+        # file is read in the background, so other blocks answer meanwhile)
+        self.loaded = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: list[asyncio.Future] = []
 
     # --- the data ---------------------------------------------------------------------
 
     def load_initial(self) -> None:
-        """Read the file at setup: missing is a warning (CoreDNS), unreadable an error (raised)."""
+        """Read the file at setup: missing is a warning (CoreDNS), unreadable an error (raised).
+        A big one is only checked here and read in a thread of its own (see `loaded`)."""
         try:
-            table, stamp = _read_shared(self.path, self.origins, self.reverse)
+            fd = _open(self.path)
         except FileNotFoundError:
             log.warning("plugin/hosts: %s: file does not exist (serving inline entries until it appears)",
                         self.path)
             self._read_failing = True     # said once; its return is logged
+            self._done()
             return
-        self.data = Snapshot(table, self.data.inline)
-        self._stamp = stamp
-        self.reloaded = stamp[0] / 1e9
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size <= BIG:
+            self._first_read()
+        else:
+            threading.Thread(target=self._first_read, name=f"hosts-{self.path}", daemon=True).start()
+
+    def _first_read(self) -> None:
+        try:
+            table, stamp = _read_shared(self.path, self.origins, self.reverse)
+        except OSError as exc:     # gone or changed since setup looked: as a failed reload
+            log.warning("plugin/hosts: %s: %s (serving inline entries)", self.path, exc.strerror or exc)
+            self._read_failing = True
+        else:
+            self.data = Snapshot(table, self.data.inline)
+            self._stamp = stamp
+            self.reloaded = stamp[0] / 1e9
+            log.debug("plugin/hosts: %s parsed into %d entries", self.path, len(table))
+        self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self.loaded.set()
+            waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(_wake, fut)
+
+    async def _wait_loaded(self) -> None:
+        with self._lock:
+            if self.loaded.is_set():
+                return
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+        await fut
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the first read is done (config check; a Corefile reload before it swaps)."""
+        return self.loaded.wait(timeout)
 
     def check(self) -> bool:
         """Re-read the file if its mtime or size changed (blocking: run it in a thread).
@@ -604,6 +665,8 @@ class Hosts(Plugin):
     async def _reloader(self) -> None:
         while True:
             await asyncio.sleep(self.reload)
+            if not self.loaded.is_set():
+                continue
             try:
                 await asyncio.to_thread(self.check)
             except Exception:   # a bug in parsing must not end the reloads
@@ -615,6 +678,8 @@ class Hosts(Plugin):
         return bool(self.fall) and match_zone(self.fall, qname) is not None
 
     def transparent(self, qname: str, qtype: int) -> bool:
+        if not self.loaded.is_set():
+            return False
         data = self.data
         if qtype == PTR:
             address = reverse_address(qname)
@@ -626,6 +691,8 @@ class Hosts(Plugin):
         return self._falls(qname)
 
     async def serve(self, req: Request, next: Next) -> dnslib.DNSRecord:
+        if not self.loaded.is_set():
+            await self._wait_loaded()
         qname, qtype = req.qname, req.qtype
         data = self.data
         in_zone = match_zone(self.origins, qname) is not None
@@ -658,6 +725,7 @@ class Hosts(Plugin):
         return reply
 
     def describe(self) -> str:
+        self.wait_loaded()
         parts = [self.path, *self.origins]
         d = self.data
         parts.append(f"entries={len(d.file) + len(d.inline)} (inline {len(d.inline)})")
