@@ -5,6 +5,7 @@ rcode.go, reverter.go (answer values) and setup_test.go (the block form)."""
 from __future__ import annotations
 
 import re
+import time
 
 import dns.message
 import dns.rcode
@@ -361,6 +362,23 @@ async def test_regex_matching_is_linear_time():
     assert p.transparent(name, A)
     reply = await p.serve(query(name), Canned(answer="@ 5 IN A 10.0.0.1"))
     assert names(reply.rr) == [name]
+    # the classic catastrophic patterns over the longest names there are (63-byte labels,
+    # 253 bytes): each costs about what a plain pattern does (Python's re: years for some)
+    longest = ".".join(["a" * 63] * 3) + "." + "a" * 61 + "."
+    plain = plug(r"rewrite name regex ^b\.x\.$ ok")
+    bad = [plug(f"rewrite name regex {rx} ok") for rx in
+           (r"^(a+)+$", r"^(a|aa)+$", r"^(a|a?)+$", r"^(.*a){12}$", r"^(a*)*b$", r"^((a+)\.?)+x$")]
+
+    def cost(plugin) -> float:
+        rule = plugin.rules[0]          # its matcher itself (transparent() remembers names)
+        began = time.perf_counter()
+        for _ in range(200):
+            assert not rule.could_match(longest, A)
+        return time.perf_counter() - began
+    base = min(cost(plain) for _ in range(3))
+    for rule in bad:
+        took = min(cost(rule) for _ in range(3))
+        assert took < max(0.05, 50 * base), (rule.describe(), took, base)
 
 
 async def test_invalid_name_after_rewrite_is_servfail():
