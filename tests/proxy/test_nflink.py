@@ -650,3 +650,21 @@ def test_a_dump_comes_as_it_is_read_and_one_left_unread_closes_its_socket(pair):
     assert len(everything) == sum(len(r) for r in rs.state.chains.values())
     found = nftables.programmed(4, netns=a)
     assert len(found) == 300 and all(len(eps) == 4 for eps in found.values())
+
+
+def test_bulk_elements_are_encoded_as_elements_are():
+    """The endpoint-map ranges and hairpin pairs of a full load are written from their flat
+    tuples directly; the bytes are those of the general element encoder, both families, both verbs."""
+    from clusterdns.proxy.nftobj import element_of
+    from clusterdns.proxy.servicemap import EndpointInfo
+    for family, ip in ((4, "10.1.2.3"), (6, "fd00:161::2")):
+        rng = nftables._slot_element("endpoints-tcp-007", 7 * 65536, 3, 1, EndpointInfo(ip, 8080, ""))
+        pair = nftables._hairpin_element(ip)[2]
+        for name, flat in (("endpoints-tcp-007", rng), ("hairpin", pair)):
+            for verb in ("add", "delete"):
+                fast = nflink._element(name, flat, verb, family)
+                assert fast == nflink._element(name, element_of(flat), verb, family), (name, verb, family)
+    # not an endpoint map's name, a comment, an address of the other family: the general path decides
+    assert nflink._bulk_element("endpoints-x", rng, "add", 4) is None
+    with pytest.raises(nflink.Unsupported):
+        nflink._element("hairpin", nftables._hairpin_element("fd00::1")[2], "add", 4)
