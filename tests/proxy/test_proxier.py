@@ -145,16 +145,26 @@ async def test_failed_partial_sync_keeps_version_counts_and_retries_full():
         assert not any(c.startswith("conntrack") for c in rig.runner.commands()[:n])
 
 
-async def test_periodic_full_sync():
+async def test_periodic_syncs_are_partial_and_the_full_one_hourly(monkeypatch):
+    """As kube-proxy: a sync every --sync-period, partial; a full one at start and once an hour."""
+    from clusterdns.proxy import proxier
     rig = Rig(cfg_of("--sync-period", "0.2"))
     async with rig:
         await rig.synced()
         await asyncio.sleep(0.5)
-        fulls = [t for _, t in restores(rig.runner) if "*mangle" in t]
-        assert len(fulls) >= 2
+        syncs = metric("kubeproxy_sync_proxy_rules_duration_seconds_count")
+        await asyncio.sleep(0.5)
+        assert metric("kubeproxy_sync_proxy_rules_duration_seconds_count") >= syncs + 2   # periodic syncs
+        assert ["*mangle" in t for _, t in restores(rig.runner)].count(True) == 1        # none full
+        monkeypatch.setattr(proxier, "FULL_SYNC_PERIOD", 0.3)   # an hour later
+        await asyncio.sleep(0.5)
+        assert ["*mangle" in t for _, t in restores(rig.runner)].count(True) >= 2
 
 
-async def test_jumps_are_not_inserted_twice():
+async def test_jumps_are_not_inserted_twice(monkeypatch):
+    """Repeated full syncs (here every 0.2 s) put back a missing jump and never add a second."""
+    from clusterdns.proxy import proxier
+    monkeypatch.setattr(proxier, "FULL_SYNC_PERIOD", 0.2)
     jumps = {"save": ""}
 
     def respond(argv, stdin):
