@@ -69,14 +69,17 @@ def aiohttp_handler(respond: Handler):
 
 # ------------------------------------------------------------- per service
 
-def local_endpoint_counts(state: ClusterState, node_name: str,
-                          family: int | None = None) -> dict[tuple[str, str], tuple[int, int]]:
-    """{service key: (healthCheckNodePort, local ready endpoints)} for eTP:Local services.
+def local_endpoint_counts(state: ClusterState, node_name: str, family: int | None = None,
+                          keys=None) -> dict[tuple[str, str], tuple[int, int]]:
+    """{service key: (healthCheckNodePort, local ready endpoints)} for eTP:Local services
+    (keys: only these Services).
 
     Terminating endpoints do not count: a draining node must fail the check."""
     types = {4: (IPV4,), 6: (IPV6,), None: (IPV4, IPV6)}[family]
     out = {}
-    for key, svc in state.services.items():
+    services = state.services.items() if keys is None else [
+        (k, s) for k in keys if (s := state.services.get(k)) is not None]
+    for key, svc in services:
         if not (svc.external_local and svc.health_check_node_port) or svc.headless:
             continue
         local = set()
