@@ -175,7 +175,7 @@ class ServiceData:
     A headless Service's, which every one of its answers needs, are made at once."""
     __slots__ = ("svc", "slices", "kind", "ips4", "ips6", "_ready", "_by_name", "_eps_by_name", "target",
                  "_srv_count", "_port_entries", "_port_counts", "_big", "_families", "_pod_names", "_noendpoints",
-                 "_names_by_ip", "_parts", "_addresses")
+                 "_names_by_ip", "_parts", "_addresses", "_names")
 
     def __init__(self, svc: Service, slices: tuple[EndpointSlice, ...], pod_names: bool, noendpoints: bool,
                  prev: "ServiceData | None" = None):
@@ -201,6 +201,7 @@ class ServiceData:
         # (one slice changed) makes only that slice's; and, when big, its address set
         self._parts: tuple[tuple, ...] | None = None
         self._addresses: frozenset[str] | None = None
+        self._names: list | None = None    # with _parts: each slice's name -> entries, made when asked
         if self.kind == "headless":
             self._make_ready(prev)   # every answer of a headless Service is made of them
         self._families: tuple[bool, bool] | None = None
@@ -290,6 +291,11 @@ class ServiceData:
         self._srv_count, self._port_entries, self._port_counts = srv_count, port_entries, port_counts
         self._ready = tuple(ready)
         self._parts = tuple(parts) if parts is not None else None
+        if parts is not None:
+            names = {}
+            if had and prev is not None and prev._names is not None:
+                names = {id(sl): d for sl, d in zip(prev.slices, prev._names) if d is not None}
+            self._names = [names.get(id(sl)) for sl in self.slices]
 
     def _slice_entries(self, sl: EndpointSlice) -> tuple:
         if sl.address_type not in (IPV4, IPV6):
@@ -349,9 +355,36 @@ class ServiceData:
 
     def endpoint_entries(self, name: str) -> list[tuple]:
         """The (name, address, ports) entries of the endpoints called `name`."""
+        names = self._names
+        if names is not None:
+            # a Service of several slices: each slice's index, made when first asked and
+            # taken over by the next version for the slices it keeps
+            out: list[tuple] = []
+            for i, d in enumerate(names):
+                if d is None:   # made whole before it is shared (readers in other threads)
+                    d = {}
+                    for entry in self._parts[i]:      # type: ignore[index]
+                        d.setdefault(entry[0], []).append(entry)
+                    names[i] = d
+                hit = d.get(name)
+                if hit:
+                    out += hit
+            return out
         if self._eps_by_name is None:
             self.by_name()
-        return self._eps_by_name.get(name, [])
+        return self._eps_by_name.get(name, [])   # type: ignore[union-attr]
+
+    def endpoint_ips(self, name: str) -> list[str]:
+        """The addresses of the endpoints called `name` (no duplicates)."""
+        if self._names is not None:
+            return list(dict.fromkeys([e[1] for e in self.endpoint_entries(name)]))
+        return self.by_name().get(name) or []
+
+    @property
+    def names_cheap(self) -> bool:
+        """Endpoint names are looked up slice by slice (no Service-wide index to make): a
+        big Service of small slices answers them as any other."""
+        return self._names is not None and all(len(p) <= BIG for p in self._parts)   # type: ignore[union-attr]
 
     def names_at(self, ip: str) -> list[str]:
         """The names of the ready endpoints with this address, each once, in order (a PTR
@@ -769,8 +802,8 @@ class ZoneView:
                 return None
             # a ClusterIP Service's own name answers with its addresses and ports only, however
             # many endpoints it has (not counted then: every first question would)
-            if not big_ok and (len(sd.svc.ports) > BIG if kind == "service" and sd.kind == "cluster"
-                               else sd.big):
+            if not big_ok and (len(sd.svc.ports) > BIG if (kind == "service" and sd.kind == "cluster")
+                               or (kind == "endpoint" and sd.names_cheap) else sd.big):
                 raise BigAnswer(sd.svc.key)
         if kind in ("namespace", "ent", "dnsent"):
             return _ENT if kind != "namespace" or self.exposed(p.namespace) else None
@@ -781,7 +814,7 @@ class ZoneView:
             elif sd.kind == "external":
                 return None
             elif kind == "endpoint":
-                ips = sd.by_name().get(p.endpoint)
+                ips = sd.endpoint_ips(p.endpoint)
                 if not ips:
                     return None
                 if qtype == SRV:

@@ -20,7 +20,9 @@ def snapshot(view: ZoneView):
     by_service = {k: tuple(s.key for s in v) for k, v in view.by_service.items()}
     cips = {ip: sorted((sd.svc.key, n or "") for sd, n in lst) for ip, lst in view.cips.items()}
     eps = {ip: sorted((sd.svc.key, n or "") for sd, n in view.endpoints_at(ip)) for ip in view.eps}
-    return services, by_service, cips, eps
+    names = {k: {n: (sd.endpoint_entries(n), sd.endpoint_ips(n)) for n, _, _ in sd.ready}
+             for k, sd in view.services.items() if sd.kind == "headless"}
+    return services, by_service, cips, eps, names
 
 
 def mutate(store: StateStore, rng: random.Random) -> None:
