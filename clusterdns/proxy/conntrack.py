@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import socket
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -165,6 +166,10 @@ def parse_entries(text: str) -> list[Entry]:
 
 
 def _canonical(ip: str) -> str:
+    try:   # IPv4 through the C parser (a reconcile canonicalises every flow's and Service's address)
+        return socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, ip))
+    except (OSError, TypeError):
+        pass
     try:
         return str(ipaddress.ip_address(ip))
     except ValueError:
