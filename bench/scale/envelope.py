@@ -343,6 +343,12 @@ def inner(args) -> dict:
         out["cold_ready_s"] = time.monotonic() - t0
         out["hwm_ready_mb"] = status_mb(agent.pid, "VmHWM")
         nl = Netlink()
+        spy = None
+        if args.py_spy:   # where the agent's time goes during the changes (collapsed stacks)
+            spy = subprocess.Popen([args.py_spy, "record", "-p", str(agent.pid), "-r", "250", "--format", "raw",
+                                    "-o", os.path.join(tmp, "changes.spy"), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(2)
         current = {e["addresses"][0] for n in slices for e in big[n]["endpoints"]}
         home = endpoint_map_holds(sorted(current)[0], 8080) if args.mode == "nftables" else None
         changes = []
@@ -377,8 +383,8 @@ def inner(args) -> dict:
             t_dns = t_kernel = None
             while t_dns is None or t_kernel is None:
                 now = time.monotonic()
-                if now - t > 30:
-                    raise RuntimeError(f"change {i} not seen in 30 s (dns {t_dns}, kernel {t_kernel}); see {log.name}")
+                if now - t > args.change_timeout:
+                    raise RuntimeError(f"change {i} not seen in {args.change_timeout:.0f} s (dns {t_dns}, kernel {t_kernel}); see {log.name}")
                 if t_dns is None:
                     got = dns_probe.ask(0.002)
                     if got and got[1] == [new]:
@@ -399,6 +405,10 @@ def inner(args) -> dict:
                 row["map_right"] = not nl.chain("nat", names.sep_chain(f"{NS}/big:http", "tcp", f"{old}:8080"))
             changes.append(row)
         out["changes"] = changes
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(60)
+            out["spy"] = os.path.join(tmp, "changes.spy")
         out["answers"] = check_big_answers(current)
         out["metrics"] = scrape(PROXY_METRICS, "kubeproxy_network_programming_duration_seconds")
         out["metrics"].update(scrape(PROXY_METRICS, "kubeproxy_sync_proxy_rules_duration_seconds"))
@@ -439,8 +449,10 @@ def main() -> int:
     p.add_argument("--big", type=int, default=5000)
     p.add_argument("--headless", type=int, default=1000)
     p.add_argument("--venv", help="a venv made by an earlier run (its bin/clusterdns is used)")
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=900, help="seconds for the cold start")
+    p.add_argument("--change-timeout", type=float, default=60, help="seconds for one change")
     p.add_argument("--agent-log-level", default="info")
+    p.add_argument("--py-spy", help="a py-spy binary: record the agent during the changes (kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the agents' logs (their paths are printed)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -465,7 +477,7 @@ def main() -> int:
                            "--mode", mode, "--clusterdns", clusterdns, "--changes", str(args.changes),
                            "--gap", str(args.gap), "--services", str(args.services), "--endpoints",
                            str(args.endpoints), "--big", str(args.big), "--headless", str(args.headless),
-                           "--timeout", str(args.timeout)] + (["--keep"] if args.keep else []) + ["--agent-log-level", args.agent_log_level]
+                           "--timeout", str(args.timeout), "--change-timeout", str(args.change_timeout)] + (["--keep"] if args.keep else []) + ["--agent-log-level", args.agent_log_level] + (["--py-spy", args.py_spy] if args.py_spy else [])
                     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                     if r.returncode:
                         print(r.stdout[-2000:], r.stderr[-4000:], file=sys.stderr)

@@ -107,7 +107,10 @@ def read_bytes(path: str, limits: Limits = DEFAULT_LIMITS) -> bytes:
             if size > limits.max_bytes:
                 raise ManifestError(path, None, f"{size} bytes is over the limit of {limits.max_bytes} "
                                                 "(--manifest-max-bytes)")
-            raw = fh.read(limits.max_bytes + 1)
+            # the size read for: read(n) allocates n bytes first (the limit: 268 MB per read)
+            raw = fh.read(size + 1)
+            if len(raw) > size:   # growing while being read
+                raw += fh.read(limits.max_bytes + 1 - len(raw))
     except OSError as exc:
         raise ManifestError(path, None, exc.strerror or str(exc), transient=True) from None
     if len(raw) > limits.max_bytes:   # grew while being read
