@@ -22,13 +22,16 @@ fresh scratch network namespace, whole processes as the proxier runs them:
 - legacy:   iptables-legacy-restore --noflush of the printed text (with --legacy)
 
 Prints medians of --runs runs (plain: one run per size, it is slow), and the load average
-at the start and end of each size. 2 shared cores: expect tens of percent of noise.
+at the start and end of each size; under each row, the median CPU time (user + system) of
+the tool's process, or of this process for the netlink load (the kernel's work is done in
+its sendmsg). 2 shared cores: expect tens of percent of noise in the wall times.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -53,8 +56,16 @@ def netns(name: str) -> None:
     subprocess.run(["ip", "netns", "add", name], check=True)
 
 
-def timed_restore(ns: str, argv: list[str], text: str, timeout: float) -> float:
-    t0 = time.perf_counter()
+CPU: dict[str, list[float]] = {}
+
+
+def children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def timed_restore(ns: str, argv: list[str], text: str, timeout: float, key: str = "") -> float:
+    t0, c0 = time.perf_counter(), children_cpu()
     try:
         res = subprocess.run(["ip", "netns", "exec", ns, *argv], input=text, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
@@ -62,6 +73,8 @@ def timed_restore(ns: str, argv: list[str], text: str, timeout: float) -> float:
         return float("inf")
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed: {res.stderr.strip()[:500]}")
+    if key:
+        CPU.setdefault(key, []).append(children_cpu() - c0)
     return time.perf_counter() - t0
 
 
@@ -108,25 +121,29 @@ def main() -> None:
             for _ in range(args.runs):
                 netns(ns)
                 r["flush"].append(timed_restore(ns, ["iptables-nft-restore", "-w", "5", "--counters"], text,
-                                                args.timeout))
+                                                args.timeout, "flush"))
                 netns(ns)
-                r["listed"].append(timed_restore(ns, tool, listed, args.timeout))
-                r["warm"].append(timed_restore(ns, tool, listed, args.timeout))
+                r["listed"].append(timed_restore(ns, tool, listed, args.timeout, "listed"))
+                r["warm"].append(timed_restore(ns, tool, listed, args.timeout, "warm"))
                 netns(ns)
                 for key in ("netlink", "nl-warm"):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     iptnl.apply(text, 4, netns=ns)
                     r[key].append(time.perf_counter() - t0)
+                    CPU.setdefault(key, []).append(time.process_time() - c0)   # the kernel's work included
                 netns(ns)
                 backend = IptablesBackend(SubprocessRunner(("ip", "netns", "exec", ns)), cfg, 4)
                 backend.exe.backend = "nft"
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time() + children_cpu()
                 asyncio.run(backend.sync(store.current, None, 0.0))
                 r["sync"].append(time.perf_counter() - t0)
+                CPU.setdefault("sync", []).append(time.process_time() + children_cpu() - c0)
+                if backend.exe.last_path != "netlink":
+                    raise SystemExit(f"the proxier's full sync went through {backend.exe.last_path}")
                 if args.legacy:
                     netns(ns)
                     r["legacy"].append(timed_restore(ns, ["iptables-legacy-restore", "-w", "5", "--noflush",
-                                                          "--counters"], text, args.timeout))
+                                                          "--counters"], text, args.timeout, "legacy"))
 
             def f(k: str) -> str:
                 v = med(r[k])
@@ -135,6 +152,11 @@ def main() -> None:
                   f"{f('warm'):>7} {f('netlink'):>7} {f('nl-warm'):>7} {f('sync'):>7}"
                   + (f" {f('legacy'):>7}" if args.legacy else "")
                   + f"  {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"{'':>8} {'cpu s':>7} {'':>8} " + " ".join(
+                f"{med(CPU.get(k, [])):>7.2f}" if CPU.get(k) else f"{'-':>7}"
+                for k in ("flush", "listed", "warm", "netlink", "nl-warm", "sync"))
+                + (f" {med(CPU['legacy']):>7.2f}" if CPU.get("legacy") else ""), flush=True)
+            CPU.clear()
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 

@@ -17,7 +17,6 @@ anything else raises Unsupported before anything is sent, and the caller uses th
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -112,6 +111,12 @@ def _cmp(op: int, data: bytes) -> bytes:
     return parts[0] + data + parts[1]
 
 
+def _CMP_PREFIX(op: int, n: int) -> bytes:      # noqa: N802 (a table lookup, named as one)
+    """A cmp expression up to its n bytes of data (n a multiple of 4: no padding after)."""
+    _cmp(op, bytes(n))
+    return _CMP[(op, n)][0]
+
+
 _PAYLOADS: dict[tuple[int, int, int], bytes] = {}
 
 
@@ -178,20 +183,33 @@ def _jump(chain: str) -> bytes:
 _ONES = {4: b"\xff" * 4, 6: b"\xff" * 16}
 
 
+_NETS: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+
+
 def _net(text: str, family: int) -> tuple[bytes, bytes]:
-    """(address & mask, mask) of an iptables address argument."""
+    """(address & mask, mask) of an iptables address argument: ADDR (a host) or ADDR/PREFIXLEN."""
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
     if "/" not in text:
         try:
-            return socket.inet_pton(socket.AF_INET if family == 4 else socket.AF_INET6, text), _ONES[family]
+            return socket.inet_pton(af, text), _ONES[family]
         except OSError:
             raise Unsupported(f"address {text!r} in an IPv{family} table") from None
+    got = _NETS.get((text, family))
+    if got is not None:
+        return got
+    addr, _, plen = text.partition("/")
     try:
-        net = ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        raise Unsupported(f"network {text!r}") from None
-    if net.version != family:
-        raise Unsupported(f"network {text} in an IPv{family} table")
-    return net.network_address.packed, net.netmask.packed
+        packed = socket.inet_pton(af, addr)
+    except OSError:
+        raise Unsupported(f"network {text!r} in an IPv{family} table") from None
+    bits = len(packed) * 8
+    if not plen.isdigit() or int(plen) > bits:
+        raise Unsupported(f"network {text!r}")
+    mask = ((1 << int(plen)) - 1) << (bits - int(plen))
+    got = ((int.from_bytes(packed, "big") & mask).to_bytes(len(packed), "big"), mask.to_bytes(len(packed), "big"))
+    if len(_NETS) < 4096:      # networks are few (cluster CIDRs, source ranges); hosts are not cached
+        _NETS[(text, family)] = got
+    return got
 
 
 def _addr(offset: int, text: str, neg: bool, family: int) -> bytes:
@@ -569,6 +587,16 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
     hdr = _fam_hdr(nfproto)
     batch = _Writer(genid)
     msg = batch.msg
+    # NEWRULE messages are written here directly (the hot path: one per rule)
+    pieces, fills = batch.pieces, batch.fills
+    offsets_append, lines_append = batch.offsets.append, batch.lines.append
+    piece = pieces[-1]
+    at = fills[-1]
+    cap = len(piece)
+    pack_msg = _NLHDR.pack_into
+    newrule = _MSG[NEWRULE]
+    append_flags = _REQUEST | NLM_F_CREATE | NLM_F_APPEND
+    insert_flags = _REQUEST | NLM_F_CREATE
     size = len(text)
     find = text.find
     pos = 0
@@ -586,6 +614,14 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
     pack_hdr = _ATTR_HDR.pack
     exprs_kind = 4 | nflink.NLA_F_NESTED
     saddr = 12 if family == 4 else 8
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
+    pton = socket.inet_pton
+    src_head = _payload(1, saddr, 4 if family == 4 else 16) + _CMP_PREFIX(0, 4 if family == 4 else 16)
+    jump_heads = _JUMP_HEAD
+    pads = _PADS
+    not_chains = _NOT_CHAINS
+    newchain, delrule = _MSG[NEWCHAIN], _MSG[DELRULE]
+    ht_attr = b""
     while pos < size:
         no = pos
         end = find("\n", pos)
@@ -604,8 +640,11 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
             if chain != last_chain:
                 if chain in bases and chain not in have:
                     hook, prio, ctype = bases[chain]
+                    fills[-1] = at
                     msg(NEWCHAIN, NLM_F_CREATE, hdr + t_attr + _str(3, chain)
                         + _nest(4, _u32(1, hook), _u32(2, prio & 0xFFFFFFFF)) + _u32(5, 1) + _str(7, ctype), no)
+                    piece, at = pieces[-1], fills[-1]
+                    cap = len(piece)
                     have.add(chain)
                 elif chain not in have:
                     raise Unsupported(f"chain {chain} neither declared nor in the kernel")
@@ -613,23 +652,32 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
                 c_attr = hdr + t_attr + _sattr(2, chain.encode())
             spec = line[sp + 1:] if sp > 0 else ""
             head, _, last = spec.rpartition(" ")
-            hit = heads.get(head)
-            if hit is not None and (hit[2] == "dnat" or last not in _NOT_CHAINS):
+            hit = None if spec.startswith("-s ") else heads.get(head)
+            if hit is not None and (hit[2] == "dnat" or last not in not_chains):
                 pre, proto, slot = hit
-                exprs = pre + (_jump(last) if slot == "jump" else _dnat(last, family))
+                if slot == "jump":
+                    raw = last.encode()
+                    n = len(raw)
+                    jh = jump_heads.get(n)
+                    exprs = pre + (jh + raw + b"\0" + pads[(n + 5) % 4] if jh is not None else _jump(last))
+                else:
+                    exprs = pre + _dnat(last, family)
             elif spec.startswith("-s ") and (sp2 := spec.find(" ", 3)) > 0 and spec[sp2 + 1:] in rests:
                 tail, proto = rests[spec[sp2 + 1:]]
-                exprs = _addr(saddr, spec[3:sp2], False, family) + tail
+                addr = spec[3:sp2]
+                if "/" in addr:
+                    exprs = _addr(saddr, addr, False, family) + tail
+                else:
+                    try:
+                        exprs = src_head + pton(af, addr) + tail
+                    except OSError:
+                        raise Unsupported(f"address {addr!r} in an IPv{family} table") from None
             else:
                 pre, tail, proto, slot = _parse(spec, family)
                 if tail == _DROP and table == "nat":
                     raise Unsupported("DROP in the nat table (iptables refuses it)")
                 exprs = pre + tail
-                if slot:
-                    if len(heads) >= 4096:
-                        heads.clear()
-                    heads[head] = (pre, proto, slot)
-                elif spec.startswith("-s ") and (sp2 := spec.find(" ", 3)) > 0:
+                if spec.startswith("-s ") and (sp2 := spec.find(" ", 3)) > 0:
                     rest = spec[sp2 + 1:]
                     r_pre, r_tail, r_proto, _ = _parse(rest, family)
                     # only when the address is the rule's first expression (REST has no -i, -o, -p)
@@ -638,29 +686,63 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
                         if len(rests) >= 4096:
                             rests.clear()
                         rests[rest] = (r_pre + r_tail, r_proto)
+                elif slot:
+                    if len(heads) >= 4096:
+                        heads.clear()
+                    heads[head] = (pre, proto, slot)
             ca = compat.get(proto)
             if ca is None:
                 ca = compat[proto] = _nest(5, _u32(1, proto), _u32(2, 0))
-            msg(NEWRULE, NLM_F_CREATE | (NLM_F_APPEND if line[1] == "A" else 0),
-                c_attr + pack_hdr(4 + len(exprs), exprs_kind) + exprs + ca, no)
-        elif c == ":":
-            if not table:
-                raise Unsupported("a chain outside a table")
-            name, _, rest = line[1:].partition(" ")
-            if name in bases or not rest.startswith("- ") or not name or len(name) > 28 or name[0] in "-!":
+            body = c_attr + pack_hdr(4 + len(exprs), exprs_kind) + exprs + ca
+            total = 16 + len(body)
+            if at + total > cap:
+                fills[-1] = at
+                piece = bytearray(max(nflink._PIECE, total))
+                pieces.append(piece)
+                fills.append(0)
+                at, cap = 0, len(piece)
+            pack_msg(piece, at, total, newrule, append_flags if line[1] == "A" else insert_flags, 0, 0)
+            piece[at + 16:at + total] = body
+            offsets_append((len(pieces) - 1) << 32 | at)
+            lines_append(no)
+            at += total
+            continue
+        if c == ":":
+            sp = line.find(" ")
+            name = line[1:sp]
+            if not table or name in bases or not line.startswith(" - ", sp) or not 0 < len(name) <= 28 \
+                    or name[0] in "-!":
                 raise Unsupported(f"declaration {line!r}")
             if name in have:
-                msg(DELRULE, 0, hdr + t_attr + _sattr(2, name.encode()), no)        # flush
+                kind, attr = delrule, 2      # flush it
             else:
-                msg(NEWCHAIN, NLM_F_CREATE, hdr + t_attr + _sattr(3, name.encode()), no)
+                kind, attr = newchain, 3
                 have.add(name)
-        elif c == "*":
+            raw = name.encode()
+            n = len(raw) + 5
+            body = ht_attr + pack_hdr(n, attr) + raw + b"\0" + pads[n % 4]
+            total = 16 + len(body)
+            if at + total > cap:
+                fills[-1] = at
+                piece = bytearray(nflink._PIECE)
+                pieces.append(piece)
+                fills.append(0)
+                at, cap = 0, len(piece)
+            pack_msg(piece, at, total, kind, _REQUEST | (NLM_F_CREATE if attr == 3 else 0), 0, 0)
+            piece[at + 16:at + total] = body
+            offsets_append((len(pieces) - 1) << 32 | at)
+            lines_append(no)
+            at += total
+            continue
+        fills[-1] = at
+        if c == "*":
             if table:
                 raise Unsupported("a table without COMMIT")
             table = line[1:].strip()
             if table not in BASE_CHAINS:
                 raise Unsupported(f"table {table}")
             t_attr = _str(1, table)
+            ht_attr = hdr + t_attr
             have = set(present.get(table, ()))
             bases = BASE_CHAINS[table]
             last_chain = ""
@@ -673,18 +755,20 @@ def encode(text: str, family: int, present: dict[str, dict[str, bool]],
             present = {**present, table: dict.fromkeys(have, False)}
             table = ""
         elif line == "-S":
-            continue      # the listing iptables-nft-restore needs (apply.whole_table_cache)
+            pass          # the listing iptables-nft-restore needs (apply.whole_table_cache)
         elif line.startswith("-X "):
             name = line[3:].strip()
             if not table or name in bases or " " in name:
                 raise Unsupported(f"line {line!r}")
-            if (table, name) in skip_delete:
-                continue
-            msg(DELCHAIN, 0, hdr + t_attr + _str(3, name), no)
-            have.discard(name)
-            last_chain = ""
+            if (table, name) not in skip_delete:
+                msg(DELCHAIN, 0, hdr + t_attr + _str(3, name), no)
+                have.discard(name)
+                last_chain = ""
         else:
             raise Unsupported(f"line {line!r}")
+        piece, at = pieces[-1], fills[-1]
+        cap = len(piece)
+    fills[-1] = at
     if table:
         raise Unsupported("a table without COMMIT")
     return batch
