@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Protocol
 
@@ -250,19 +252,27 @@ class IptablesExecutor:
         backend it goes in through whole_table_cache. listed: the text already lists the big
         tables that way (iptables.render(listing=True)). A listing's output goes to /dev/null."""
         await self.detect_backend()
-        if full and self.backend == "nft" and self.netlink:
-            netns = netlink_netns(self.runner)
-            if netns is not False:
-                from . import iptnl
+        if full and self.backend == "nft" and self.netlink and isinstance(self.runner, SubprocessRunner):
+            # iptnl in a child process run like the tool (prefix and all): see iptnl.main
+            from . import iptnl
+            res = await self.runner.run([sys.executable, "-m", "clusterdns.proxy.iptnl",
+                                         "--family", str(self.family)], text)
+            if res.returncode == 0:
                 try:
-                    # (in a thread: encoding 430,000 rules at 10,000 Services takes seconds)
-                    self.kept = await asyncio.to_thread(iptnl.apply, text, self.family, netns=netns)
-                    self.last_path = "netlink"
-                    return
-                except iptnl.Unsupported as exc:
-                    log.debug("iptables IPv%d: %s; restoring with the tool", self.family, exc)
-                except (iptnl.NflinkError, OSError) as exc:
-                    raise ApplyError(Result(("nfnetlink",), 1, "", f"{exc}")) from None
+                    out = json.loads(res.stdout)
+                except ValueError:
+                    out = {}
+                self.kept = [(str(k[0]), str(k[1])) for k in out.get("kept", ())]
+                self.last_path = "netlink"
+                log.debug("iptables IPv%d full restore over netlink: %s", self.family, out.get("stats"))
+                if self.kept:
+                    log.warning("iptables IPv%d: %s still referenced by other components' rules (or already "
+                                "gone): kept, flushed; the rest of the full sync went in", self.family,
+                                ", ".join(f"{t}/{c}" for t, c in self.kept))
+                return
+            if res.returncode != iptnl.EXIT_UNSUPPORTED:
+                raise ApplyError(Result(("nfnetlink",), res.returncode, "", res.stderr))
+            log.debug("iptables IPv%d: %s; restoring with the tool", self.family, res.stderr.strip())
         self.last_path = self.tool("restore")
         argv = [self.tool("restore"), "-w", "5", "--noflush", "--counters"]
         if full and self.backend == "nft" and self.list_tables and not listed:

@@ -980,7 +980,8 @@ def _forget(netns: str | None, link: _Link) -> None:
     link.close()
 
 
-def _send(link: _Link, batch: _Batch, describe) -> None:
+def _send(link: _Link, batch: _Batch, describe) -> int:
+    """Send one batch and wait for the kernel's answer; the ruleset's generation after it."""
     first = link.seq
     buffers = batch.close(first)
     total = sum(len(b) for b in buffers)
@@ -1005,6 +1006,7 @@ def _send(link: _Link, batch: _Batch, describe) -> None:
     except OSError as exc:
         raise _TransportError(f"netlink send failed: {exc.strerror or exc}", exc.errno or 0) from None
     errors: list[tuple[int, int]] = []
+    genid = 0
     while True:
         try:
             reply = sock.recv(1 << 20)
@@ -1028,6 +1030,9 @@ def _send(link: _Link, batch: _Batch, describe) -> None:
                             errors.append((rseq, -err))
                 elif rseq == marker:
                     done = True
+                    if kind == (NFNL_SUBSYS_NFTABLES << 8) | NEWGEN:
+                        gen = attrs(reply[pos + 20:pos + length]).get(1)   # NFTA_GEN_ID
+                        genid = struct.unpack(">I", gen[0][:4])[0] if gen else 0
             pos += (length + 3) & ~3
         if done:
             break
@@ -1038,6 +1043,7 @@ def _send(link: _Link, batch: _Batch, describe) -> None:
         where = f" at statement {index + 1}: {line}" if index is not None else " (batch)"
         failures = [(batch.lines[r - first - 1], e) for r, e in errors if first < r < seq]
         raise NflinkError(f"nftables: {os.strerror(errno)}{where}", errno, line, failures)
+    return genid
 
 
 __all__ = ["NflinkError", "Unsupported", "apply", "close_all", "supported"]

@@ -180,6 +180,7 @@ class IptablesBackend:
         existing = None
         missing: list[tuple[str, str, str]] = []
         all_missing = True
+        t0 = time.monotonic()
         # iptables-save is slow on big rule sets: in large clusters look for
         # stale chains at most once per sync period (kube-proxy does the same).
         if self.applying and (full or not self.large or now - self.last_cleanup >= self.cfg.proxy.sync_period):
@@ -204,8 +205,12 @@ class IptablesBackend:
                                      previous=None if full else self.previous, listing=listing,
                                      cache=self.cache)
         self.previous = None          # until the kernel is known to hold rs
+        t1 = time.monotonic()
         if rs.text:
             await self.exe.restore(rs.text, full=full, listed=rs.listed)
+        if full:
+            log.debug("iptables IPv%d full sync: read and render %.3fs, %s %.3fs", self.family, t1 - t0,
+                      self.exe.last_path, time.monotonic() - t1)
         # Partial syncs write only what changed against this (the text itself is not kept)
         self.previous = dataclasses.replace(rs, text="")
         if full and missing and not all_missing:

@@ -497,3 +497,107 @@ def test_texts_it_does_not_encode_go_to_the_tool(namespaces):
     asyncio.run(ipt.exe.restore(text, full=True))
     assert ipt.exe.last_path == "iptables-nft-restore"
     assert "--dports 80,81" in sh("iptables-nft-save", "-t", "nat", ns=ns)
+
+
+# ------------------------------------------------------------------ new chains first, then the rest
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Batch pieces of 4 KiB, so that a small text's new chains go in several early batches."""
+    monkeypatch.setattr(nflink, "_PIECE", 4096)
+    monkeypatch.setattr(nflink, "_FIRST_PIECE", 4096)
+
+
+def _text_of(n: int, seed: int, cfg: Config = CFG4) -> str:
+    rng = random.Random(seed)
+    services = {i: service(i, rng, 4) for i in range(n)}
+    slices = {i: endpoints(i, rng, 4) for i in range(n)}
+    return iptables.render(state_of(services, slices), cfg, 4).text
+
+
+@pytest.mark.root
+@requires(tool(4, "restore"))
+def test_new_chains_in_several_early_batches_then_the_rest(namespaces, small_pieces):
+    ours, ref = namespaces.add("ours"), namespaces.add("ref")
+    for ns in (ours, ref):
+        sh(tool(4, "restore"), "--noflush", ns=ns, input=FOREIGN[4])
+    for seed in (1, 2):       # a first load (every chain new), then another state on top
+        text = _text_of(30, seed)
+        stats: dict = {}
+        iptnl.apply(text, 4, netns=ours, stats=stats, early_bytes=8192)
+        sh(tool(4, "restore"), "--noflush", "--counters", ns=ref, input=text)
+        same_kernel(ours, ref, 4)
+        assert stats["early_batches"] > 3 and stats["final_messages"] > 0, stats
+    # one batch only (early_bytes=0) leaves the same
+    text = _text_of(30, 3)
+    iptnl.apply(text, 4, netns=ours, early_bytes=0)
+    sh(tool(4, "restore"), "--noflush", "--counters", ns=ref, input=text)
+    same_kernel(ours, ref, 4)
+
+
+@pytest.mark.root
+@requires(tool(4, "restore"))
+@pytest.mark.parametrize("where", ["early", "final", "unsupported"])
+def test_a_load_refused_after_early_batches_leaves_the_kernel_as_it_was(namespaces, small_pieces, where,
+                                                                        monkeypatch):
+    """Whatever is refused, and wherever: the kernel holds what it held before, the chains the
+    early batches made deleted again (nothing ever referred to them)."""
+    ns = namespaces.add("undo")
+    undone = []
+    real_undo = iptnl._undo
+    monkeypatch.setattr(iptnl, "_undo", lambda link, fam, created, genid: (
+        undone.append(sum(len(c) for c in created.chains.values())), real_undo(link, fam, created, genid)))
+    sh(tool(4, "restore"), "--noflush", ns=ns, input=FOREIGN[4])
+    iptnl.apply(_text_of(20, 1), 4, netns=ns, early_bytes=8192)
+    before = kernel(ns, 4)
+    text = _text_of(30, 2)          # new Services: new chains, in early batches
+    lines = text.split("\n")
+    seps = [i for i, line in enumerate(lines) if line.startswith("-A KUBE-SEP-")]
+    if where == "early":
+        # a new endpoint chain's rule near the end jumps back into KUBE-SERVICES: a loop, refused
+        # in an early batch after others went in (the chain is new, so is its batch)
+        new_sep = [i for i in seps if lines[i].split()[1] not in before["chains"]["nat"]]
+        i = new_sep[-1]
+        lines[i] = f"-A {lines[i].split()[1]} -j KUBE-SERVICES"
+    elif where == "final":
+        # a rule of a chain the kernel already holds refers to a chain nobody declared
+        old_sep = [i for i in seps if lines[i].split()[1] in before["chains"]["nat"]]
+        lines[old_sep[0]] = f"-A {lines[old_sep[0]].split()[1]} -j KUBE-SVC-NOWHERE"
+    else:
+        lines.insert(len(lines) - 3, "-A KUBE-MARK-MASQ -m multiport -p tcp --dports 1,2 -j RETURN")
+    bad = "\n".join(lines)
+    stats: dict = {}
+    if where == "unsupported":
+        with pytest.raises(iptnl.Unsupported):
+            iptnl.apply(bad, 4, netns=ns, early_bytes=8192, stats=stats)
+    else:
+        with pytest.raises(iptnl.NflinkError, match="refused line"):
+            iptnl.apply(bad, 4, netns=ns, early_bytes=8192, stats=stats)
+    assert len(undone) == 1 and undone[0] > 10, undone      # early batches had gone in
+    assert kernel(ns, 4) == before
+
+
+@pytest.mark.root
+@requires(tool(4, "restore"))
+def test_the_proxier_loads_in_a_child_process(namespaces, monkeypatch):
+    """The batch (115 MB at 10,000 Services) is the child's memory, not the agent's; the child
+    is run like the tool, through the runner and its namespace prefix."""
+    ns = namespaces.add("child")
+    ipt = IptablesBackend(SubprocessRunner(prefix=("ip", "netns", "exec", ns)), CFG4, 4)
+    ipt.exe.backend = "nft"
+    calls = []
+    real = SubprocessRunner.run
+
+    async def spy(self, argv, stdin=None):
+        calls.append(tuple(argv))
+        return await real(self, argv, stdin)
+
+    monkeypatch.setattr(SubprocessRunner, "run", spy)
+    monkeypatch.setattr(iptnl, "apply", lambda *a, **kw: pytest.fail("applied in the agent's process"))
+    rng = random.Random(1)
+    asyncio.run(ipt.sync(state_of({i: service(i, rng, 4) for i in range(5)},
+                                  {i: endpoints(i, rng, 4) for i in range(5)}), None, 0.0))
+    assert ipt.exe.last_path == "netlink"
+    assert [c[-4:] for c in calls if "clusterdns.proxy.iptnl" in c] == [("-m", "clusterdns.proxy.iptnl",
+                                                                        "--family", "4")]
+    assert "KUBE-SERVICES" in sh("iptables-nft-save", "-t", "nat", ns=ns)
