@@ -478,6 +478,7 @@ def _kill_prober(t_start: float, names: list[tuple[str, str]], late_ip: str, que
 def _log_times(path: str, t_wall: float) -> dict[str, float]:
     """Seconds after t_wall (time.time() at the start) of the agent's milestones, from its log."""
     marks = {"manifest loaded": "clusterdns.sources.manifest: loaded ", "kernel read": "restart adoption:",
+             "watch starts": "clusterdns.sources.kube: watching",
              "dns listens": "DNS listens", "listed": "all resources synced",
              "endpoints read": "restart adoption: endpoints", "first sync": "restart adoption ends"}
     out: dict[str, float] = {}

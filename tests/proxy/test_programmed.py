@@ -200,6 +200,18 @@ def test_ports_read_over_netlink_match_iptables_save(netns):
                        capture_output=True)
         subprocess.run([*ipt, *rule], check=True)
     assert readback.iptables_nft_ports(4, netns) == set(EXPECTED4)
+    # the fixed-offset reading of the expressions that differ per rule agrees with the
+    # attribute-by-attribute one wherever it reads one
+    fast = 0
+    for family in (4, 6):
+        for table in ("nat", "filter"):
+            for exprs in readback._chain_rules(family, table, "KUBE-SERVICES", netns):
+                for _, ex in readback._walk(exprs):
+                    op = readback._fast_op(ex)
+                    if op is not None:
+                        fast += 1
+                        assert op == readback._expr_op(ex, family)
+    assert fast >= 20
     # a host firewall's rule in the filter table's KUBE-SERVICES that only accepts
     subprocess.run(["ip", "netns", "exec", netns, "iptables-nft", "-t", "filter", "-I", "KUBE-SERVICES",
                     "-d", "10.96.0.9/32", "-p", "tcp", "--dport", "80", "-j", "ACCEPT"], check=True)
