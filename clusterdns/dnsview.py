@@ -16,9 +16,10 @@ version the proxier last put into the kernel (P):
 - restart adoption: before the proxier's first sync there is no P, but the
   rules a previous process left are usually still in the kernel. `adopt()`
   takes what the proxier found there ((ClusterIP, protocol, port) -> "ip:port"
-  endpoints) and counts a Service as applied when its ClusterIPs and exact
-  port set are there, showing only its endpoints present both in the kernel
-  and in C. A Service whose address or ports differ from the kernel's waits
+  endpoints, or None where only the port was read) and counts a Service as
+  applied when its ClusterIPs and exact port set are there, showing only its
+  endpoints present both in the kernel and in C (none where they were not
+  read). A Service whose address or ports differ from the kernel's waits
   for the first sync, as does one the kernel lacks. The first sync replaces
   adoption with P for good.
 - until the first sync nothing counts as synced: a name DNS cannot show yet
