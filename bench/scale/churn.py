@@ -219,8 +219,11 @@ def dns_load(rows: list[dict], qps: float, changes, results, timeout: float = 2.
                 break
             if msg[0] == "chg":
                 _, t, idx, ready = msg[:4]
-                times[idx].append(t)
-                versions[idx].append(frozenset(ready))
+                if times[idx][-1] == t:    # changes published together (one manifest write): one version
+                    versions[idx][-1] = frozenset(ready)
+                else:
+                    times[idx].append(t)
+                    versions[idx].append(frozenset(ready))
                 recent.append(idx)
             elif msg[0] == "hb":
                 known_until = max(known_until, msg[1])
