@@ -380,8 +380,8 @@ class DnsView:
         self._version += 1
         new = ClusterState(
             version=self._version,
-            services=MappingProxyType(dict(self._services)) if changed or full else old.services,
-            slices=MappingProxyType(dict(self._slices)) if changed or full else old.slices,
+            services=MappingProxyType(self._services.copy()) if changed or full else old.services,
+            slices=MappingProxyType(self._slices.copy()) if changed or full else old.slices,
             namespaces=now.namespaces, pods=now.pods, nodes=now.nodes,
             synced=self._synced(now), serial=max(now.serial, old.serial + (1 if changed else 0)))
         if changed or full:
