@@ -179,7 +179,7 @@ class KubeSource:
         # The probe has its own client, so its connection is never one a watch holds.
         probe_transport = _transport(self._conf)
         self.health = ApiHealth(probe_transport, self.options)
-        batcher = EventBatcher(self.store, self.options.batch_window)
+        batcher = EventBatcher(self.store, self.options.batch_window, spacing=self.options.batch_spacing)
         self.reflectors = {r.name: Reflector(transport, r, batcher, self.options, self.health)
                            for r in self.resources}
         watched = {r.kind for r in self.resources}

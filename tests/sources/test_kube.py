@@ -478,6 +478,30 @@ async def test_event_batcher_groups_what_arrives_together_and_flushes_a_lone_eve
     assert set(store.current.services) == {("ns", "s2")}
 
 
+async def test_event_batcher_spaces_versions_under_churn_and_publishes_a_change_after_quiet_at_once():
+    from clusterdns.sources.objects import convert
+    from clusterdns.sources.reflector import EventBatcher
+    from tests.fakeapi import service as svc_dict
+    store = StateStore()
+    batcher = EventBatcher(store, window=0.002, spacing=0.3)
+    recs = [convert("Service", svc_dict("ns", f"s{i}", f"10.0.5.{i + 1}")) for i in range(10)]
+    t0 = time.monotonic()
+    batcher.upsert("Service", recs[0])            # after a quiet spell: the window only
+    await eventually(lambda: store.current.version == 1, what="first event")
+    assert time.monotonic() - t0 < 0.25
+    for r in recs[1:6]:                           # churn: gathered until the spacing is over
+        batcher.upsert("Service", r)
+        await asyncio.sleep(0.02)
+    assert store.current.version == 1
+    await eventually(lambda: store.current.version == 2, what="spaced flush")
+    assert len(store.current.services) == 6 and time.monotonic() - t0 >= 0.3
+    await asyncio.sleep(0.35)                     # quiet again: the next one goes at once
+    t1 = time.monotonic()
+    batcher.upsert("Service", recs[6])
+    await eventually(lambda: store.current.version == 3, what="event after quiet")
+    assert time.monotonic() - t1 < 0.25
+
+
 # -- a silent API server -------------------------------------------------------
 
 # Short, but a probe answered slowly on a loaded machine must not look like a stall.
