@@ -14,6 +14,7 @@ and the parse's peak memory goes away with the child.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -499,60 +500,183 @@ _JSON_WS = re.compile(r"[ \t\n\r]*")   # JSON's whitespace, as the json module s
 _JSON_DECODE = json.JSONDecoder().raw_decode
 
 
-def _json_list_items(text: str) -> Iterator[Any]:
+# A JSON List is read this much at a time: the parse holds one window of the file's text
+# (and one item's dicts), not the file's bytes and text (~45 MB at 10,000 x 10).
+STREAM_BYTES = 1 << 20
+
+
+class _ReadFailed(Exception):
+    """A read error met while streaming a file (not a ManifestError, which
+    records_from_documents would reword without its transient flag)."""
+
+    def __init__(self, error: ManifestError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _Window:
+    """A file's text read STREAM_BYTES at a time (buf: what the parse has not consumed yet),
+    under read_bytes's limits; or a whole text given at once (eof from the start)."""
+
+    def __init__(self, fh: Any = None, path: str = "<input>", limits: Limits = DEFAULT_LIMITS,
+                 text: str | None = None) -> None:
+        self.fh, self.path, self.limits = fh, path, limits
+        self.buf = text if text is not None else ""
+        self.eof = text is not None
+        self.total = 0
+        self.raw: list[bytes] | None = []   # the bytes read, until start() found the format
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+        if fh is not None:
+            size = os.fstat(fh.fileno()).st_size
+            if size > limits.max_bytes:
+                raise ManifestError(path, None, f"{size} bytes is over the limit of {limits.max_bytes} "
+                                                "(--manifest-max-bytes)")
+
+    def _read(self, n: int) -> bytes:
+        try:
+            data = self.fh.read(n)
+        except OSError as exc:
+            raise _ReadFailed(ManifestError(self.path, None, exc.strerror or str(exc), transient=True)) from None
+        self.total += len(data)
+        if self.total > self.limits.max_bytes:   # grew while being read
+            raise _ReadFailed(ManifestError(self.path, None, f"over the limit of {self.limits.max_bytes} bytes "
+                                                             "(--manifest-max-bytes)", transient=True))
+        return data
+
+    def more(self, keep: int, grow: bool = False) -> int:
+        """Drop buf[:keep] and read on; returns keep's index in the new buf (0). grow: the read
+        doubles the window (a value longer than it is read in linear time). Raises
+        UnicodeDecodeError (a ValueError) when the bytes are not UTF-8."""
+        want = max(STREAM_BYTES, len(self.buf) - keep) if grow else STREAM_BYTES
+        text = ""
+        while not text and not self.eof:
+            data = self._read(want)
+            if self.raw is not None:
+                self.raw.append(data)
+            self.eof = not data
+            text = self._utf8.decode(data, final=self.eof)
+        self.buf = self.buf[keep:] + text
+        return 0
+
+    def start(self) -> str | None:
+        """Reads up to the first character past leading whitespace (decode()'s `first`, "" when
+        blank) and drops a byte order mark; None when the bytes read are not UTF-8."""
+        try:
+            self.more(0)
+            if self.buf.startswith("\ufeff"):
+                self.buf = self.buf[1:]
+            i = 0
+            while True:
+                i = _LEADING_SPACE.match(self.buf, i).end()  # type: ignore[union-attr]  # always matches
+                if i < len(self.buf) or self.eof:
+                    return self.buf[i:i + 1]
+                self.more(0)   # all kept: what JSON counts as whitespace is less
+        except UnicodeDecodeError:
+            return None
+
+    def whole(self) -> bytes:
+        """Every byte of the file (those start() read and the rest), as read_bytes gives them."""
+        assert self.raw is not None
+        raw = self.raw
+        self.raw = None
+        try:
+            if not self.eof:
+                raw.append(self._read(self.limits.max_bytes + 1 - self.total))
+        except _ReadFailed as exc:
+            raise exc.error from None
+        return b"".join(raw)
+
+
+def _json_list_items(src: str | _Window) -> Iterator[Any]:
     """The items of a JSON List object, each decoded when asked for, so that no more than one
-    item's dicts exist at a time (json.loads of the whole builds every one first). The other
-    top-level members are decoded as json.loads would; once the object is read, raises
-    NotAJsonList unless it was a List with one `items` array and nothing after it."""
-    ws: Any = _JSON_WS.match   # always matches (possibly nothing)
-    decode = _JSON_DECODE
+    item's dicts exist at a time (json.loads of the whole builds every one first), from a text
+    or a window on a file's text. The other top-level members are decoded as json.loads would;
+    once the object is read, raises NotAJsonList unless it was a List with one `items` array
+    and nothing after it."""
+    w = src if isinstance(src, _Window) else _Window(text=src)
+    match: Any = _JSON_WS.match   # always matches (possibly nothing)
+    raw_decode = _JSON_DECODE
+
+    def ws(i: int) -> int:
+        """i past JSON whitespace (read on while it runs to the window's end)."""
+        while True:
+            i = match(w.buf, i).end()
+            if i < len(w.buf) or w.eof:
+                return i
+            i = w.more(i)
+
+    def char(i: int) -> tuple[str, int]:
+        """The character at i ("" at the end of the text) and i (moved when read on)."""
+        if i >= len(w.buf) and not w.eof:
+            i = w.more(i)
+        return w.buf[i:i + 1], i
+
+    def decode(i: int) -> tuple[Any, int]:
+        """The value at i and the index past it; one cut short by the window's end (or ending
+        just there: a number might go on) is decoded again with more text."""
+        while True:
+            try:
+                value, end = raw_decode(w.buf, i)
+            except ValueError:
+                if w.eof:
+                    raise
+            else:
+                if end < len(w.buf) or w.eof:
+                    return value, end
+            i = w.more(i, grow=True)
+
     top: dict[str, Any] = {}
     items_seen = False
     try:
-        i = ws(text, 0).end()
-        if text[i:i + 1] != "{":
+        i = ws(0)
+        c, i = char(i)
+        if c != "{":
             raise NotAJsonList
-        i = ws(text, i + 1).end()
+        i = ws(i + 1)
         while True:
-            if text[i:i + 1] != '"':
+            c, i = char(i)
+            if c != '"':
                 raise NotAJsonList
-            key, i = decode(text, i)
-            i = ws(text, i).end()
-            if text[i:i + 1] != ":":
+            key, i = decode(i)
+            i = ws(i)
+            c, i = char(i)
+            if c != ":":
                 raise NotAJsonList
-            i = ws(text, i + 1).end()
+            i = ws(i + 1)
             if key != "items":
-                top[key], i = decode(text, i)
-            elif items_seen or text[i:i + 1] != "[":
-                raise NotAJsonList    # a second "items" (the last would win) or not an array
+                top[key], i = decode(i)
             else:
+                c, i = char(i)
+                if items_seen or c != "[":
+                    raise NotAJsonList    # a second "items" (the last would win) or not an array
                 items_seen = True
-                i = ws(text, i + 1).end()
-                if text[i:i + 1] == "]":
+                i = ws(i + 1)
+                c, i = char(i)
+                if c == "]":
                     i += 1
                 else:
                     while True:
-                        item, i = decode(text, i)
+                        item, i = decode(i)
                         yield item
                         del item
-                        i = ws(text, i).end()
-                        c = text[i:i + 1]
-                        i = ws(text, i + 1).end()
+                        i = ws(i)
+                        c, i = char(i)
+                        i = ws(i + 1)
                         if c == "]":
                             break
                         if c != ",":
                             raise NotAJsonList
-            i = ws(text, i).end()
-            c = text[i:i + 1]
-            i = ws(text, i + 1).end()
+            i = ws(i)
+            c, i = char(i)
+            i = ws(i + 1)
             if c == "}":
                 break
             if c != ",":
                 raise NotAJsonList
-    except (ValueError, RecursionError):   # json.JSONDecodeError is a ValueError
+    except (ValueError, RecursionError):   # json.JSONDecodeError (and UnicodeDecodeError) is a ValueError
         raise NotAJsonList from None
     kind = top.get("kind")
-    if i < len(text) or not items_seen or not isinstance(kind, str) or not kind.endswith("List"):
+    if i < len(w.buf) or not items_seen or not isinstance(kind, str) or not kind.endswith("List"):
         raise NotAJsonList
 
 
@@ -563,7 +687,7 @@ def parse_json_list(raw: bytes | str, path: str = "<input>", limits: Limits = DE
     as soon as it is decoded: the parse's peak memory is one item, not the whole document, so a
     long-running process can read a big file itself. Raises NotAJsonList for anything else
     (YAML, another JSON shape, broken JSON) and ManifestError past a limit. raw: the file's
-    bytes, or its text (see _json_text: the caller can let the bytes go first)."""
+    bytes, or its text (parse_file_lean reads a file's text a window at a time instead)."""
     if isinstance(raw, str):
         text = raw
     else:
@@ -573,31 +697,45 @@ def parse_json_list(raw: bytes | str, path: str = "<input>", limits: Limits = DE
             raise NotAJsonList from None
     if text.startswith("\ufeff"):
         text = text[1:]
+    return _parse_json_window(_Window(text=text), path, limits, flush)
+
+
+def _parse_json_window(w: _Window, path: str, limits: Limits, flush: Callable[[list], None] | None,
+                       ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
     with gc_paused():
-        return records_from_documents(_json_list_items(text), path, limits, flush)
+        return records_from_documents(_json_list_items(w), path, limits, flush)
 
 
 def parse_file_lean(path: str, limits: Limits = DEFAULT_LIMITS, flush: Callable[[list | None], None] | None = None,
                     whole: Callable[..., tuple[list[tuple[str, Any]], list[Skipped]]] | None = None,
                     ) -> tuple[list[tuple[str, Any]], list[Skipped]]:
-    """parse_file, a JSON List read item by item (parse_json_list); raises ManifestError.
-    flush: as records_from_documents's, for a JSON List; flush(None) when what it was given
-    is void (the file was not a List after all, and is parsed whole: all returned).
-    whole(path, limits, raw): what parses any other file (parse_file; raw its bytes, or None
-    once they were dropped for the JSON read; else their decode())."""
+    """parse_file, a JSON List read item by item (parse_json_list) from a window on the file's
+    text; raises ManifestError. flush: as records_from_documents's, for a JSON List; flush(None)
+    when what it was given is void (the file was not a List after all, and is parsed whole: all
+    returned). whole(path, limits, raw): what parses any other file (parse_file; raw None when
+    the file was read as JSON, else the decode() of its bytes)."""
     whole = whole or parse_file
-    src = decode(read_bytes(path, limits), path)
-    if src.first != "{":   # not a JSON object, so not a JSON List: parsed whole, decoded once
-        return whole(path, limits, src)
-    # The bytes go before the JSON read: ~20 MB less peak memory at 10,000 Services.
-    text = src.text
-    del src
     try:
-        return parse_json_list(text, path, limits, flush)
-    except NotAJsonList:
-        if flush is not None:
-            flush(None)
-    del text
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise ManifestError(path, None, exc.strerror or str(exc), transient=True) from None
+    with fh:
+        w = _Window(fh, path, limits)
+        try:
+            first = w.start()
+        except _ReadFailed as exc:
+            raise exc.error from None
+        if first != "{":   # not a JSON object (or not UTF-8), so not a JSON List: parsed whole, decoded once
+            return whole(path, limits, decode(w.whole(), path))
+        w.raw = None   # the JSON read keeps no bytes
+        try:
+            return _parse_json_window(w, path, limits, flush)
+        except NotAJsonList:
+            if flush is not None:
+                flush(None)
+        except _ReadFailed as exc:
+            raise exc.error from None
+        del w
     return whole(path, limits, None)
 
 

@@ -555,6 +555,62 @@ def test_other_shapes_and_broken_json_are_left_to_the_whole_parse(tmp_path, text
         assert parse_file_lean(str(f)) == expected
 
 
+@pytest.mark.parametrize("window", [1, 2, 3, 7, 64, 1 << 20])
+def test_a_json_list_read_a_window_at_a_time_equals_the_whole_parse(tmp_path, monkeypatch, window):
+    """parse_file_lean reads a file's text STREAM_BYTES at a time: wherever a window ends (in a
+    number, a key, a multi-byte character, the byte order mark, an item longer than the window)
+    every file reads as parse_file reads it, errors worded the same."""
+    from clusterdns.sources import manifest
+    from clusterdns.sources.manifest import parse_file, parse_file_lean
+    monkeypatch.setattr(manifest, "STREAM_BYTES", window)
+    extra = [
+        json.dumps({"kind": "List", "items": cluster(1), "n": 12345678901234567890, "f": -1.5e-3, "t": True}),
+        json.dumps({"kind": "List", "items": cluster(1), "x": "\u00e9\u4e2d\U0001f600"}, ensure_ascii=False),
+        json.dumps({"kind": "List", "items": cluster(1)}) + " 1",      # a number after the object
+        json.dumps({"kind": "List", "items": cluster(1)}) + "\u00a0",  # not JSON's whitespace
+        "\u00a0" + json.dumps({"kind": "List", "items": cluster(1)}),
+        " " * 50 + json.dumps({"kind": "List", "items": cluster(1)})[:-1],   # cut short
+    ]
+    for i, text in enumerate(JSON_LISTS + NOT_JSON_LISTS + extra):
+        f = tmp_path / f"m{i}.json"
+        f.write_text(text, encoding="utf-8")
+        try:
+            expected = parse_file(str(f))
+        except ManifestError as exc:
+            with pytest.raises(ManifestError) as got:
+                parse_file_lean(str(f))
+            assert str(got.value) == str(exc), text[:80]
+        else:
+            assert parse_file_lean(str(f)) == expected, text[:80]
+    bad = tmp_path / "bad.json"      # not UTF-8 after the JSON began
+    bad.write_bytes(json.dumps({"kind": "List", "items": cluster(1)}).encode()[:-2] + b"\xff]}")
+    with pytest.raises(ManifestError, match="not UTF-8"):
+        parse_file_lean(str(bad))
+
+
+def test_a_json_list_growing_past_the_limit_while_read_is_a_transient_error(tmp_path, monkeypatch):
+    from clusterdns.sources import manifest
+    from clusterdns.sources.manifest import parse_file_lean
+    monkeypatch.setattr(manifest, "STREAM_BYTES", 64)
+    f = tmp_path / "m.json"
+    text = json.dumps(as_list(cluster(3)))
+    write(f, text)
+    limit = len(text.encode()) + 10
+    assert len(parse_file_lean(str(f), Limits(max_bytes=limit))[0]) == 6 + 1
+    real = manifest._Window._read
+
+    def growing(self, n):       # the file grows after its size was read
+        data = real(self, n)
+        if data and self.total >= 100:
+            with open(f, "a") as fh:
+                fh.write(" " * 20)
+        return data
+    monkeypatch.setattr(manifest._Window, "_read", growing)
+    with pytest.raises(ManifestError, match="over the limit") as info:
+        parse_file_lean(str(f), Limits(max_bytes=limit))
+    assert info.value.transient
+
+
 def test_a_json_list_read_item_by_item_keeps_the_object_budget(tmp_path):
     from clusterdns.sources.manifest import parse_json_list
     with pytest.raises(ManifestError, match="more than 6 objects"):
