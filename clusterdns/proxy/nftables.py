@@ -791,6 +791,12 @@ def render(state: ClusterState, cfg: Config, family: int = 4, *,
             return NftRuleSet(family=family, state=new, full=False, changes=len(ops), ops=tuple(ops))
         updates, buckets = _changed_objects(state, cfg, family, node, zone, previous, set(changed),
                                             cache.ports if cache is not None else None)
+        if cache is not None:
+            # a full render's entries of these Services are stale now: kept, they held every
+            # Service's first objects beside its new ones until the next full render (the
+            # hourly resync), ~5 KB more per Service changed since (+50 MB under churn)
+            for key in updates:
+                cache.entries.pop(key, None)
         hairpin = _hairpin_delta(updates, previous.owned)
         new = _apply(previous, updates, buckets, hairpin)
         olds = [o for k in updates if (o := previous.owned.get(k)) is not None]

@@ -159,6 +159,27 @@ def test_caches_hold_only_the_current_services():
     assert len(nft_cache.entries) == 5 and len(nft_cache.ports.entries) == 5
 
 
+def test_a_targeted_render_drops_the_full_renders_entries_of_what_it_changed():
+    """Kept, a changed Service's entry held its first objects beside the new ones until the
+    next full render (the hourly resync): ~5 KB per Service changed at 10,000 x 10."""
+    store = StateStore()
+    publish(store, synthetic_records(40, 3))
+    cache = nftables.RenderCache()
+    first = nftables.render(store.current, CFG, 4, cache=cache)
+    key = ("ns-3", "svc-3")
+    sl = store.current.slices_for(*key)[0]
+    eps = list(sl.endpoints)
+    eps[0] = replace(eps[0], addresses=("10.252.0.1",))
+    store.upsert("EndpointSlice", replace(sl, endpoints=tuple(eps)))
+    rs = nftables.render(store.current, CFG, 4, previous=first.state, changed={key}, cache=cache)
+    assert not rs.full and "10.252.0.1" in rs.text
+    assert key not in cache.entries and len(cache.entries) == 39
+    # the next full render builds it again, as from scratch
+    again = nftables.render(store.current, CFG, 4, previous=rs.state, resync=True, cache=cache)
+    anew = nftables.render(store.current, CFG, 4, previous=rs.state, resync=True)
+    assert ops_text(again.ops, 4) == ops_text(anew.ops, 4) and key in cache.entries
+
+
 def test_renderers_do_not_share_cache_state():
     """Two owners' caches are independent: one's renders neither fill nor serve the other's,
     and a render without a cache leaves nothing behind."""
