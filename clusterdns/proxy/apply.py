@@ -105,6 +105,11 @@ def _check(res: Result) -> Result:
     return res
 
 
+# partial iptables texts shorter than this go in from the agent's own process (a few hundred
+# lines in a sync of a changed Service; a 5,000-endpoint Service's chain is ~1 MB)
+PARTIAL_IN_PROCESS = 4 << 20
+
+
 def netlink_netns(runner: CommandRunner) -> "str | None | Literal[False]":
     """Where netlink batches may go for this runner: None (this process's namespace), a
     namespace name (a runner prefixed `ip netns exec NAME`), or False (a fake or other
@@ -252,6 +257,25 @@ class IptablesExecutor:
         backend it goes in through whole_table_cache. listed: the text already lists the big
         tables that way (iptables.render(listing=True)). A listing's output goes to /dev/null."""
         await self.detect_backend()
+        netns = netlink_netns(self.runner)
+        if not full and self.backend == "nft" and self.netlink and netns is not False \
+                and len(text) < PARTIAL_IN_PROCESS:
+            # a partial text: in this process (a thread), one small batch; the tool's --noflush
+            # would first fetch the chains it names from a kernel holding 110,000 at scale
+            from . import iptnl
+            stats: dict = {}
+            try:
+                kept = await asyncio.to_thread(iptnl.apply, text, self.family, netns=netns, stats=stats,
+                                               early_bytes=0)
+            except iptnl.Unsupported as exc:
+                log.debug("iptables IPv%d: %s; restoring with the tool", self.family, exc)
+            except (iptnl.NflinkError, OSError) as exc:
+                raise ApplyError(Result(("nfnetlink",), 1, "", str(exc))) from None
+            else:
+                self.kept = kept
+                self.last_path = "netlink"
+                log.debug("iptables IPv%d partial restore over netlink: %s", self.family, stats)
+                return
         if full and self.backend == "nft" and self.netlink and isinstance(self.runner, SubprocessRunner):
             # iptnl in a child process run like the tool (prefix and all): see iptnl.main
             from . import iptnl

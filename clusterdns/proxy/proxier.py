@@ -182,8 +182,12 @@ class IptablesBackend:
         all_missing = True
         t0 = time.monotonic()
         # iptables-save is slow on big rule sets: in large clusters look for
-        # stale chains at most once per sync period (kube-proxy does the same).
-        if self.applying and (full or not self.large or now - self.last_cleanup >= self.cfg.proxy.sync_period):
+        # stale chains at most once per sync period (kube-proxy does the same); on the
+        # nf_tables backend only in full syncs: iptables-nft-save takes ~10 s at 10,000
+        # Services, and a partial sync deletes the chains it stops using itself
+        nft_large = self.large and self.exe.backend == "nft"
+        if self.applying and (full or not self.large
+                              or not nft_large and now - self.last_cleanup >= self.cfg.proxy.sync_period):
             save = "".join([await self.exe.save("nat"), await self.exe.save("filter")])
             # one light pass, in a thread: the dump is 300,000 lines at 10,000 Services
             kube, present = await asyncio.to_thread(iptsave.summary, save)

@@ -8,6 +8,7 @@ the previous rules working; a foreign rule referencing a chain we delete must no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 
@@ -323,13 +324,43 @@ def test_full_and_partial_syncs_equal_plain_noflush_beside_other_components(name
         await plain.sync(state_of(services, slices), None, 1.0)
         assert ipt.exe.last_path == "netlink"
         same_kernel(ours, ref, family)
-        # partial syncs (the tool, reading the kernel back) on top of the netlink full sync
-        for step in range(6):
+        # partial syncs on top of the netlink full sync, netlink too: endpoints replaced, a
+        # Service's last endpoints gone and back (its KUBE-SERVICES rules deleted by their spec,
+        # inserted first), a Service created and one deleted
+        emptied = None
+        restores = []
+        real_restore = ipt.exe.restore
+
+        async def counted(text, **kw):
+            restores.append(text)
+            await real_restore(text, **kw)
+        ipt.exe.restore = counted
+        for step in range(10):
             i = rng.choice(sorted(services))
-            slices[i] = endpoints(i, rng, family)
+            if step == 3:
+                i = next(k for k in sorted(services) if any(e.ready for e in slices[k].endpoints))
+                emptied = slices[i]
+                slices[i] = dataclasses.replace(slices[i], endpoints=())
+            elif step == 4:
+                i = int(emptied.service[1:])
+                slices[i] = emptied
+            elif step == 7:
+                services[50 + step] = service(50 + step, rng, family)
+                slices[50 + step] = endpoints(50 + step, rng, family)
+                i = 50 + step
+            elif step == 8:
+                services.pop(i)
+                slices.pop(i)
+            else:
+                slices[i] = endpoints(i, rng, family)
+            ipt.exe.last_path = ""
+            before = len(restores)
             await ipt.sync(state_of(services, slices), {("ns", f"s{i}")}, 2.0 + step)
             await plain.sync(state_of(services, slices), {("ns", f"s{i}")}, 2.0 + step)
+            assert ipt.exe.last_path == ("netlink" if len(restores) > before else ""), step
             same_kernel(ours, ref, family)
+        deletes = sum(t.count("\n-D ") for t in restores)
+        assert len(restores) >= 8 and deletes and sum(t.count("\n-I ") for t in restores), (len(restores), deletes)
 
     asyncio.run(go())
     after = saved(ours, family)
@@ -470,21 +501,56 @@ def test_a_change_between_reading_the_chains_and_sending_is_caught(namespaces, m
     ns = namespaces.add("gen")
     text = "*nat\n:KUBE-A - [0:0]\n-A KUBE-A -j RETURN\nCOMMIT\n"
     iptnl.apply(text, 4, netns=ns)
-    real, calls = iptnl.chains, []
+    real, calls = iptnl.chains_of, []
 
-    def racing(family, netns=None):
-        got = real(family, netns)
+    def racing(family, wanted, netns=None):
+        got = real(family, wanted, netns)
         calls.append(1)
         if len(calls) == 1:     # someone deletes the chain right after we listed it
             sh("iptables-nft", "-t", "nat", "-F", "KUBE-A", ns=ns)
             sh("iptables-nft", "-t", "nat", "-X", "KUBE-A", ns=ns)
         return got
 
-    monkeypatch.setattr(iptnl, "chains", racing)
+    monkeypatch.setattr(iptnl, "chains_of", racing)
     iptnl.apply(text, 4, netns=ns)
     assert len(calls) == 2
     nat = iptsave.read(sh("iptables-nft-save", "-t", "nat", ns=ns))["nat"]
     assert [r.spec for r in nat.rules_of("KUBE-A")] == ["-j RETURN"]
+
+
+@pytest.mark.root
+@requires(tool(4, "restore"))
+def test_a_rule_deleted_by_its_spec_is_the_first_that_matches_whatever_it_counted(namespaces):
+    """`-D CHAIN spec` over netlink deletes what iptables-nft-restore would: the first rule with
+    those expressions (packet counters aside), one per line; `-I CHAIN 1` puts a rule first.
+    Written by the tool first, as a kube-proxy that ran before would have."""
+    ns = namespaces.add("delete")
+    spec = "-m comment --comment \"ns/a:http cluster IP\" -m tcp -p tcp -d 10.96.0.1 --dport 80 -j KUBE-SVC-A"
+    sh("iptables-nft-restore", "--noflush", "--counters", ns=ns, input=(
+        "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-A - [0:0]\n"
+        f"[1:60] -A KUBE-SERVICES {spec.replace('80', '81')}\n"
+        f"[7:420] -A KUBE-SERVICES {spec}\n"
+        f"[0:0] -A KUBE-SERVICES -s 10.0.0.9 {spec}\n"
+        f"[3:180] -A KUBE-SERVICES {spec}\n"
+        "COMMIT\n"))
+    kept = iptnl.apply(f"*nat\n-D KUBE-SERVICES {spec}\n-I KUBE-SERVICES 1 -j RETURN\nCOMMIT\n", 4, netns=ns)
+    assert kept == []
+    out = [line for line in sh("iptables-nft-save", "-c", "-t", "nat", ns=ns).splitlines()
+           if "-A KUBE-SERVICES" in line]
+    assert [line.split(" ", 1)[0] for line in out] == ["[0:0]", "[1:60]", "[0:0]", "[3:180]"]
+    assert out[0].endswith("-A KUBE-SERVICES -j RETURN") and "10.0.0.9" in out[2]
+    # two lines: the two remaining identical ones... one of them is gone already, so the second
+    # line matches nothing: the text goes to the tool, which refuses it whole
+    ipt = IptablesBackend(SubprocessRunner(prefix=("ip", "netns", "exec", ns)), CFG4, 4)
+    ipt.exe.backend = "nft"
+    with pytest.raises(ApplyError):
+        asyncio.run(ipt.exe.restore(f"*nat\n-D KUBE-SERVICES {spec}\n-D KUBE-SERVICES {spec}\n"
+                                    "-A KUBE-SERVICES -j ACCEPT\nCOMMIT\n"))
+    assert ipt.exe.last_path == "iptables-nft-restore"
+    assert [line.split(" ", 1)[0] for line in sh("iptables-nft-save", "-c", "-t", "nat", ns=ns).splitlines()
+            if "-A KUBE-SERVICES" in line] == ["[0:0]", "[1:60]", "[0:0]", "[3:180]"]
+    with pytest.raises(iptnl.Unsupported):
+        iptnl.apply("*nat\n-I KUBE-SERVICES 2 -j RETURN\nCOMMIT\n", 4, netns=ns)
 
 
 @pytest.mark.root

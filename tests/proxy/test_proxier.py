@@ -455,3 +455,30 @@ async def test_dry_run_prints_again_only_when_something_changed():
     finally:
         await proxier.stop()
         await asyncio.wait_for(task, 2)
+
+
+@pytest.mark.parametrize("backend, saves", [("legacy", 1), ("nft", 0)])
+def test_large_cluster_partial_syncs_read_the_kernel_once_a_period_on_legacy_never_on_nft(backend, saves,
+                                                                                          monkeypatch):
+    """kube-proxy's large-cluster rule (stale chains looked for once per sync period); on the
+    nf_tables backend iptables-nft-save takes ~10 s at 10,000 Services, so only full syncs read."""
+    from clusterdns.proxy import iptables
+    monkeypatch.setattr(iptables, "LARGE_CLUSTER_ENDPOINTS", 0)     # the demo counts as large
+    cfg = cfg_of("--proxy-mode", "iptables")
+    runner = RecordingRunner()
+    ipt = px.IptablesBackend(runner, cfg, 4)
+    ipt.exe.backend = backend
+    state = StateStore()
+    publish(state, demo_records())
+
+    async def go():
+        await ipt.sync(state.current, None, 0.0)
+        assert sum("-save" in a[0] for a, _ in runner.calls) == 2      # nat and filter
+        assert ipt.large
+        runner.calls.clear()
+        key = next(iter(state.current.services))
+        await ipt.sync(state.current, {key}, 1.0)           # within the period: no read
+        await ipt.sync(state.current, {key}, 1.0 + cfg.proxy.sync_period)
+        return sum("-save" in a[0] for a, _ in runner.calls)
+
+    assert asyncio.run(go()) == 2 * saves
