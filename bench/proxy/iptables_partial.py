@@ -56,13 +56,18 @@ def main() -> int:
             t = time.perf_counter()
             await ipt.sync(store.current, None, 0.0)
             full = time.perf_counter() - t
-            times: dict[str, list[float]] = {"kube-proxy": [], "clusterdns": []}
-            lines: dict[str, list[int]] = {"kube-proxy": [], "clusterdns": []}
+            kinds = ["kube-proxy", "clusterdns"] + (["clusterdns, tool"] if args.backend == "nft" else [])
+            times: dict[str, list[float]] = {k: [] for k in kinds}
+            lines: dict[str, list[int]] = {k: [] for k in kinds}
+            paths: dict[str, str] = {}
             key = ("ns-1", "svc-1")
-            for run in range(args.runs * 2):
-                kind = "kube-proxy" if run % 2 == 0 else "clusterdns"
+            for run in range(args.runs * len(kinds)):
+                kind = kinds[run % len(kinds)]
+                # nf_tables: the text over netlink (the default), or through iptables-nft-restore
+                ipt.exe.netlink = kind != "clusterdns, tool"
                 sl = store.current.slices[("ns-1", "svc-1-abcde")]
-                eps = sl.endpoints[:-1] if run % 4 < 2 else sl.endpoints + (Endpoint((f"10.255.9.{run}",)),)
+                eps = sl.endpoints[:-1] if run % (2 * len(kinds)) < len(kinds) \
+                    else sl.endpoints + (Endpoint((f"10.255.9.{run}",)),)
                 store.upsert("EndpointSlice", replace(sl, endpoints=eps))
                 if kind == "kube-proxy":
                     ipt.previous = None     # the partial text rewrites the top-level chains whole
@@ -79,6 +84,7 @@ def main() -> int:
                     t = time.perf_counter()
                     await ipt.sync(store.current, {key}, 1.0 + run)
                     times[kind].append(time.perf_counter() - t)
+                    paths[kind] = ipt.exe.last_path
                 finally:
                     iptables.render = original
                 lines[kind].append(captured["n"])
@@ -87,16 +93,16 @@ def main() -> int:
                 t = time.perf_counter()
                 await ipt.exe.restore("*nat\n-A KUBE-POSTROUTING -j RETURN\n-D KUBE-POSTROUTING -j RETURN\nCOMMIT\n")
                 noop.append(time.perf_counter() - t)
-            return full, times, lines, noop
+            return full, times, lines, noop, paths
 
-        full, times, lines, noop = asyncio.run(go())
+        full, times, lines, noop, paths = asyncio.run(go())
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     print(f"iptables-{args.backend}, {args.services} Services x {args.endpoints} endpoints: full sync {full:.2f} s")
-    print(f"{'partial text':>12} {'lines':>7} {'render+restore median':>22} {'runs':>5}")
-    for kind in ("kube-proxy", "clusterdns"):
-        print(f"{kind:>12} {int(statistics.median(lines[kind])):>7} {statistics.median(times[kind]) * 1000:>19.0f} ms"
-              f" {len(times[kind]):>5}   ({', '.join(f'{t * 1000:.0f}' for t in times[kind])})")
+    print(f"{'partial text':>16} {'lines':>7} {'render+restore median':>22} {'runs':>5}")
+    for kind in times:
+        print(f"{kind:>16} {int(statistics.median(lines[kind])):>7} {statistics.median(times[kind]) * 1000:>19.0f} ms"
+              f" {len(times[kind]):>5}   ({', '.join(f'{t * 1000:.0f}' for t in times[kind])}) via {paths.get(kind)}")
     print(f"a restore adding and deleting one rule in nat: median {statistics.median(noop) * 1000:.0f} ms")
     return 0
 

@@ -348,7 +348,14 @@ def _delta(previous: RuleSet, tops: dict, only: set[tuple[str, str]],
         deleted.update(c for c in old[2] if c not in nat_active)
         # its chains, unless they hold exactly what they held
         if old[2] != new[2] or old[3] != new[3]:
+            same = _unchanged_endpoint_chains(old[3], new[3]) if old[3] and new[3] else frozenset()
             for decls, rules, count in blocks.get(key, ()):
+                if same:
+                    # one endpoint of 5,000 changed: its KUBE-SVC chain, not 4,999 KUBE-SEP chains
+                    decls = "\n".join(d for d in decls.split("\n") if d[1:d.find(" ")] not in same)
+                    kept = [line for line in rules.split("\n") if line[3:line.find(" ", 3)] not in same]
+                    count = len(kept) if rules else 0
+                    rules = "\n".join(kept)
                 if decls:
                     svc_decls.append(decls)
                 if rules:
@@ -375,6 +382,20 @@ def _delta(previous: RuleSet, tops: dict, only: set[tuple[str, str]],
     counts = {"filter": len(f_add), "nat": len(n_add) + svc_rule_count}
     return RuleSet(text=text, chains=chains, counts=counts,
                    deleted={"nat": frozenset(deleted)} if deleted else {}, large_cluster=large, tops=tops)
+
+
+def _unchanged_endpoint_chains(old: list[str], new: list[str]) -> frozenset[str]:
+    """The KUBE-SEP chains whose rules are the same in both renders of a Service (its blocks'
+    rule text): a partial sync leaves them as the kernel holds them."""
+    def by_chain(blocks: list[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for block in blocks:
+            for line in block.split("\n"):
+                if line.startswith("-A KUBE-SEP-"):
+                    out.setdefault(line[3:line.find(" ", 3)], []).append(line)
+        return out
+    was, now = by_chain(old), by_chain(new)
+    return frozenset(c for c, lines in now.items() if was.get(c) == lines)
 
 
 def _service(info: ServicePortInfo, cat: Categorized, node: NodeInfo, cfg: Config,

@@ -152,3 +152,32 @@ def test_nf_tables_backend_warned_once_at_scale(caplog):
     assert len(found) == 1 and "1000 Services" in found[0] and "--proxy-mode nftables" in found[0]
     assert warnings("legacy", big) == []
     assert warnings("nft", small) == []
+
+
+@pytest.mark.parametrize("affinity", [0, 600])
+def test_one_endpoint_changed_rewrites_the_service_chain_and_that_endpoints_chain_only(affinity):
+    """kube-proxy rewrites every KUBE-SEP chain of a changed Service; the others hold what they
+    held (their name is a hash of the endpoint), so only the changed one is written."""
+    svc = Service("ns", "big", "ClusterIP", ("10.96.0.10",), ports=(ServicePort("http", "TCP", 80),),
+                  affinity_timeout=affinity)
+    eps = tuple(Endpoint((f"10.161.0.{j}",), node_name="node-a") for j in range(1, 51))
+    sl = EndpointSlice("ns", "big-1", "big", "IPv4", eps, (EndpointPort("http", "TCP", 8080),))
+    recs = [("Namespace", Namespace("ns")), ("Service", svc)]
+    before = iptables.render(state_from_records(recs + [("EndpointSlice", sl)]), CFG, 4)
+    moved = replace(sl, endpoints=eps[:10] + (Endpoint(("10.161.9.9",), node_name="node-a"),) + eps[11:])
+    after = iptables.render(state_from_records(recs + [("EndpointSlice", moved)]), CFG, 4,
+                            only={("ns", "big")}, previous=replace(before, text=""))
+    written = {line.split(" ")[1] for line in after.text.splitlines() if line.startswith("-A ")}
+    declared = {line[1:].split(" ")[0] for line in after.text.splitlines() if line.startswith(":")}
+    full = iptables.render(state_from_records(recs + [("EndpointSlice", moved)]), CFG, 4)
+    new_sep = {c for c in full.chains["nat"] - before.chains["nat"] if c.startswith("KUBE-SEP-")}
+    old_sep = {c for c in before.chains["nat"] - full.chains["nat"] if c.startswith("KUBE-SEP-")}
+    assert len(new_sep) == len(old_sep) == 1
+    svc_chains = {c for c in written if c.startswith("KUBE-SVC-")}
+    assert written == svc_chains | new_sep and len(svc_chains) == 1
+    assert declared == svc_chains | new_sep | old_sep
+    assert f"-X {old_sep.pop()}" in after.text.splitlines()
+    # every rule the kernel gets for the new endpoint's chain is the full render's
+    sep = new_sep.pop()
+    assert [ln for ln in after.text.splitlines() if ln.startswith(f"-A {sep} ")] == \
+        [ln for ln in full.text.splitlines() if ln.startswith(f"-A {sep} ")]
