@@ -435,6 +435,9 @@ class Proxier:
         self._last_canary = monotonic()
         self._last_reconcile = -1e18
         self._leftovers_checked = False
+        self._leftovers: asyncio.Task | None = None
+        # syncs and the leftovers' removal write the same tables: one at a time
+        self._apply_lock = asyncio.Lock()
         self._no_local: dict[tuple[str, str], tuple[int, int]] = {}
         self._synced_event = asyncio.Event()
         self._runner = BoundedFrequencyRunner("sync-proxy-rules", self._sync, cfg.proxy.min_sync_period,
@@ -470,6 +473,9 @@ class Proxier:
         try:
             await self._runner.loop()
         finally:
+            if self._leftovers is not None and not self._leftovers.done():
+                self._leftovers.cancel()
+                await asyncio.gather(self._leftovers, return_exceptions=True)
             if self.service_health:
                 await self.service_health.close()
 
@@ -526,6 +532,8 @@ class Proxier:
             while self.syncs == 0 or self.applied_version < version:
                 self._synced_event.clear()
                 await self._synced_event.wait()
+            if self._leftovers is not None:
+                await asyncio.shield(self._leftovers)
         try:
             await asyncio.wait_for(_wait(), timeout)
             return True
@@ -584,8 +592,9 @@ class Proxier:
         start = time.perf_counter()
         outcomes = {}
         try:
-            for fam, backend in self.backends.items():
-                outcomes[fam] = await backend.sync(state, None if full else changed, now)
+            async with self._apply_lock:
+                for fam, backend in self.backends.items():
+                    outcomes[fam] = await backend.sync(state, None if full else changed, now)
         except ApplyError as exc:
             self.failures += 1
             self.last_error = str(exc)
@@ -655,10 +664,11 @@ class Proxier:
                 self._local_counts.update(local_endpoint_counts(state, node, keys=changed))
             await self.service_health.sync(self._local_counts)
         if full and self.applying and not self._leftovers_checked:
-            # After the listeners: DNS need not wait for it (at 10,000 Services on iptables-nft,
-            # a dump of every table and its parse, ~9 s); wait_synced() still does.
+            # Beside the next syncs, not before them: at 10,000 Services on iptables-nft, a dump
+            # of every table and its parse take ~9 s, which the first change waited for;
+            # wait_synced() still waits for it.
             self._leftovers_checked = True
-            await self._remove_other_modes()
+            self._leftovers = asyncio.create_task(self._remove_other_modes())
         self._synced_event.set()
 
     async def _remove_other_modes(self) -> list[str]:
@@ -687,26 +697,34 @@ class Proxier:
                         log.debug("cannot read %s: %s", exe.tool("save"), exc)
                         continue
                     # (parsed in a thread: our own dump is 300,000 lines at 10,000 Services)
-                    if name == own_name and getattr(backend, "kept", None) is not None:
+                    own_tables = name == own_name and getattr(backend, "kept", None) is not None
+                    if own_tables:
                         # our own tables: only the chains and jumps our full sync did not write
                         text = await asyncio.to_thread(iptables.foreign_cleanup_text, save, backend.kept,
                                                        backend.wanted_jumps)
                     else:
                         text = await asyncio.to_thread(iptables.cleanup_saved, save)
-                    if text.strip():
-                        await exe.restore(text, full=True)
+                    del save
+                    async with self._apply_lock:
+                        if own_tables and getattr(backend, "previous", None) is not None:
+                            # syncs since the dump may have made chains it did not hold
+                            text = _sparing(text, backend.previous.chains)
+                        if text.strip():
+                            await exe.restore(text, full=True)
                         removed.append(f"iptables-{name} IPv{fam}" + (" (other modes' chains)"
                                                                        if name == own_name else ""))
                 if mode != "nftables":
                     nft = NftExecutor(runner, fam)
                     if await nft.table_listed():
                         from . import nftables
-                        await nft.apply(nftables.cleanup_text(fam))
+                        async with self._apply_lock:
+                            await nft.apply(nftables.cleanup_text(fam))
                         removed.append(f"nftables IPv{fam}")
             if mode != "ipvs":
                 res = await runner.run(["ip", "link", "show", "kube-ipvs0"])
                 if res.returncode == 0:
-                    await IpvsExecutor(runner, 4).clear()
+                    async with self._apply_lock:
+                        await IpvsExecutor(runner, 4).clear()
                     removed.append("ipvs")
         except (ApplyError, OSError) as exc:
             log.warning("removing what other proxy modes left failed: %s", exc)
@@ -746,6 +764,22 @@ class Proxier:
                 self._no_local[key] = (int(svc.internal_local), int(external))
         NO_LOCAL_ENDPOINTS.labels("internal").set(sum(v[0] for v in self._no_local.values()))
         NO_LOCAL_ENDPOINTS.labels("external").set(sum(v[1] for v in self._no_local.values()))
+
+
+def _sparing(text: str, chains: dict[str, frozenset[str]]) -> str:
+    """A cleanup text without the lines removing `chains` (table -> chains now in use)."""
+    out = []
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        elif line.startswith(":"):
+            if line[1:].split(" ", 1)[0] in chains.get(table, ()):
+                continue
+        elif line.startswith("-X ") and line[3:].strip() in chains.get(table, ()):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n" if out else ""
 
 
 # ------------------------------------------------------------------ cleanup
