@@ -199,9 +199,22 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     ctx = (family, node.local_cidr, node.local_iface, node.primary_ip, cfg.proxy.masquerade_all, large)
     old = cache.entries if cache is not None and cache.context == ctx else {}
     entries: dict[str, tuple] = {}
+    # a partial text over `previous`: the Services it does not touch keep what previous says
+    # they hold (the same blocks; a walk of 10,000 of them was most of a partial sync's render)
+    kept_tops = previous.tops if delta and previous is not None and previous.tops else None
+    if kept_tops is not None:
+        assert only is not None
+        for key, t in kept_tops.items():
+            if key not in only:
+                tops[key] = t
+                nat_active.update(t[2])
     for pair in ports:
         info, cat = pair
         hit = old.get(info.name)
+        if kept_tops is not None and info.service in tops and info.service not in only:
+            if hit is not None and hit[0] is pair:
+                entries[info.name] = hit
+            continue
         if hit is not None and hit[0] is pair:
             block = hit[1]
         else:
