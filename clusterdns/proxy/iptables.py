@@ -204,10 +204,10 @@ def _render(state: ClusterState, cfg: Config, family: int, only: set[tuple[str, 
     kept_tops = previous.tops if delta and previous is not None and previous.tops else None
     if kept_tops is not None:
         assert only is not None
-        for key, t in kept_tops.items():
+        for key, held in kept_tops.items():
             if key not in only:
-                tops[key] = t
-                nat_active.update(t[2])
+                tops[key] = held
+                nat_active.update(held[2])
     for pair in ports:
         info, cat = pair
         hit = old.get(info.name)
