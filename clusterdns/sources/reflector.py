@@ -111,7 +111,7 @@ class Options:
     # O(Services) (the store's, the DNS view's and the zone's table copies, the DNS memo
     # starting over), so 50 events a second cost ~0.3 core one version each. A lone event
     # still publishes after batch_window.
-    batch_spacing: float = 0.1
+    batch_spacing: float = 0.25
     probe_path: str = "/readyz"         # the liveness probe (APF-exempt, no auth needed)
     probe_interval: float = 5.0         # between probes while the API answers
     probe_retry: float = 1.0            # between probes while it does not
